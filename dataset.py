@@ -1,0 +1,266 @@
+"""Cityscapes for semantic segmentation: the official layout, the 19 train classes, the augmentation.
+
+    from dataset import Cityscapes
+    train_set = Cityscapes("data/cityscapes", "train", crop_size=(768, 768))
+    image, label = train_set[0]     # float image (3, 768, 768), normalised; uint8 trainIds (768, 768), 255 = ignore
+
+No real data at hand? Write a synthetic set in exactly the official layout and file naming:
+
+    python dataset.py --synthetic data/cityscapes_synthetic --num-train 200 --num-val 50 --size 256 128
+"""
+import argparse
+import os
+import sys
+
+import numpy as np
+import torch
+import torchvision
+from PIL import Image, ImageDraw
+from torchvision import tv_tensors
+from torchvision.io import ImageReadMode, decode_image
+from torchvision.transforms.v2 import functional as F
+
+# The label table: torchvision carries the official one (cityscapesScripts' labels.py), so we read it
+# rather than typing it again. The 19 classes a model learns are those with 0 <= train_id < 255.
+_TABLE = torchvision.datasets.Cityscapes.classes
+_TRAIN_CLASSES = sorted((c for c in _TABLE if 0 <= c.train_id < 255), key=lambda c: c.train_id)
+NUM_CLASSES = len(_TRAIN_CLASSES)  # 19
+CLASS_NAMES = [c.name for c in _TRAIN_CLASSES]
+CLASS_COLORS = [c.color for c in _TRAIN_CLASSES]
+IGNORE_INDEX = 255
+
+# ID_TO_TRAINID[labelId] -> trainId, for every possible uint8 value; void classes and unknown ids -> 255.
+ID_TO_TRAINID = torch.full((256,), IGNORE_INDEX, dtype=torch.uint8)
+for _c in _TRAIN_CLASSES:
+    ID_TO_TRAINID[_c.id] = _c.train_id
+# TRAINID_TO_ID[trainId] -> labelId: predictions for the official evaluation are written as labelIds.
+TRAINID_TO_ID = torch.tensor([c.id for c in _TRAIN_CLASSES], dtype=torch.uint8)
+
+MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)  # ImageNet's: the backbones were trained with them
+
+
+def sample_generator(seed, epoch, index):
+    """A random generator for one sample of one epoch. Augmentation drawn from it depends on nothing
+    else: not on the rank, the worker, or what the process did before, so a run is reproducible."""
+    state = np.random.SeedSequence([seed, epoch, index]).generate_state(2, dtype=np.uint64)
+    return torch.Generator().manual_seed(int(state[0] >> 1))
+
+
+def train_transform(image, label, crop_size, generator, scale_range=(0.5, 2.0)):
+    """Random scale, random crop, horizontal flip, applied to image and label together.
+
+    Equivalent to "resize the whole image by a random factor, then take a random crop", but it cuts the
+    crop's region out of the source first and resizes only that: on a 2048x1024 image with a 768 crop that
+    is several times less work (FIELD-NOTES.md). Where the scaled image is smaller than the crop, the
+    image is padded with 0 and the label with 255 (ignore), never with 0, which is the class "road".
+    """
+    crop_h, crop_w = crop_size
+    height, width = image.shape[-2:]
+    u = torch.rand(4, generator=generator).tolist()
+    scale = scale_range[0] + u[0] * (scale_range[1] - scale_range[0])
+    scaled_h, scaled_w = round(height * scale), round(width * scale)
+    # The crop window in the scaled image, and what of it lies on the image.
+    top = int(u[1] * (max(scaled_h - crop_h, 0) + 1))
+    left = int(u[2] * (max(scaled_w - crop_w, 0) + 1))
+    out_h, out_w = min(crop_h, scaled_h), min(crop_w, scaled_w)
+    # The same window in source pixels.
+    src_top, src_left = int(top / scale), int(left / scale)
+    src_h = max(1, min(round(out_h / scale), height - src_top))
+    src_w = max(1, min(round(out_w / scale), width - src_left))
+    image = F.resize(F.crop(image, src_top, src_left, src_h, src_w), [out_h, out_w])
+    label = F.resize(F.crop(label, src_top, src_left, src_h, src_w), [out_h, out_w])  # a Mask: nearest
+    if out_h < crop_h or out_w < crop_w:
+        padding = [0, 0, crop_w - out_w, crop_h - out_h]  # left, top, right, bottom
+        image = F.pad(image, padding, fill=0)
+        label = F.pad(label, padding, fill=IGNORE_INDEX)
+    if u[3] < 0.5:
+        image, label = F.horizontal_flip(image), F.horizontal_flip(label)
+    return image, label
+
+
+class Cityscapes(torchvision.datasets.Cityscapes):
+    """torchvision's Cityscapes (it knows the layout), with three things it leaves to the user:
+    a file order that is the same on every rank (it lists with os.listdir, whose order is not defined),
+    labelIds mapped to trainIds, and the training augmentation.
+
+    Returns (image, label): image float32 (3, H, W) normalised with ImageNet's mean and std; label uint8
+    (H, W) of trainIds, 255 where ignored. With crop_size=None (evaluation) the full resolution.
+    """
+
+    def __init__(self, root, split="train", crop_size=None, seed=0):
+        for sub in ("leftImg8bit", "gtFine"):
+            if not os.path.isdir(os.path.join(root, sub, split)):
+                raise FileNotFoundError(
+                    f"{os.path.join(root, sub, split)} not found: {root} should hold Cityscapes "
+                    "(leftImg8bit/ and gtFine/, see README.md); ./run.sh writes a synthetic set for a demo")
+        super().__init__(root, split=split, mode="fine", target_type="semantic")
+        pairs = sorted(zip(self.images, (t[0] for t in self.targets)))
+        if not pairs:
+            raise FileNotFoundError(f"{os.path.join(root, 'leftImg8bit', split)} holds no images")
+        self.images = [image for image, _ in pairs]
+        self.targets = [[target] for _, target in pairs]
+        self.crop_size = crop_size
+        self.seed = seed
+        self.epoch = 0  # main.py sets it each epoch: augmentation is drawn from (seed, epoch, index)
+
+    def __getitem__(self, index):
+        image = tv_tensors.Image(decode_image(self.images[index], mode=ImageReadMode.RGB))
+        label_ids = decode_image(self.targets[index][0], mode=ImageReadMode.GRAY)
+        label = tv_tensors.Mask(ID_TO_TRAINID[label_ids.long()])  # .long(): a uint8 index would be a mask
+        if self.crop_size is not None:
+            generator = sample_generator(self.seed, self.epoch, index)
+            image, label = train_transform(image, label, self.crop_size, generator)
+        image = F.normalize(F.to_dtype(image, torch.float32, scale=True), MEAN, STD)
+        return image.as_subclass(torch.Tensor), label[0].as_subclass(torch.Tensor)
+
+    def image_id(self, index):
+        """'{city}_{seq}_{frame}', the key the official evaluation matches predictions by."""
+        return os.path.basename(self.images[index]).replace("_leftImg8bit.png", "")
+
+
+def colorize(train_ids):
+    """(H, W) trainIds -> (H, W, 3) uint8 in Cityscapes colours; ignore is black."""
+    palette = torch.zeros(256, 3, dtype=torch.uint8)
+    palette[:NUM_CLASSES] = torch.tensor(CLASS_COLORS, dtype=torch.uint8)
+    return palette[train_ids.long()]
+
+
+# ---------------------------------------------------------------------------------------------------
+# A synthetic Cityscapes: procedural street scenes, written in the official layout.
+
+_ID = {c.name: c.id for c in _TABLE}
+_TRAIN_CITIES = ("aachen", "bochum", "bremen")
+_VAL_CITIES = ("frankfurt", "lindau", "munster")
+
+
+def _jitter(rng, color, amount=25):
+    return tuple(int(np.clip(v + rng.integers(-amount, amount + 1), 0, 255)) for v in color)
+
+
+def draw_street(rng, width, height):
+    """One street scene: (RGB uint8 array, labelId uint8 array). Shapes, not just colours, tell the
+    classes apart: colours are jittered per object, overlap between classes, and carry noise."""
+    image = Image.new("RGB", (width, height))
+    label = Image.new("L", (width, height), _ID["unlabeled"])
+    paint, mark = ImageDraw.Draw(image), ImageDraw.Draw(label)
+
+    def shape(kind, box, color, name):
+        getattr(paint, kind)(box, fill=color)
+        getattr(mark, kind)(box, fill=_ID[name])
+
+    horizon = int(height * rng.uniform(0.35, 0.5))
+    sky = _jitter(rng, (70, 130, 180), 30)
+    shape("rectangle", [0, 0, width, horizon], sky, "sky")
+    # Buildings and trees along the horizon.
+    x = -int(rng.integers(0, width // 10 + 1))
+    while x < width:
+        w = int(width * rng.uniform(0.08, 0.25))
+        top = horizon - int(height * rng.uniform(0.12, 0.38))
+        if rng.random() < 0.7:
+            wall = _jitter(rng, rng.choice([(70, 70, 70), (120, 100, 80), (150, 140, 130)]), 30)
+            shape("rectangle", [x, top, x + w, horizon + 2], wall, "building")
+            cell = max(4, w // 5)
+            glass = _jitter(rng, (40, 50, 70), 20)
+            for wy in range(top + cell // 2, horizon - cell, cell):
+                for wx in range(x + cell // 3, x + w - cell // 2, cell):
+                    paint.rectangle([wx, wy, wx + cell // 2, wy + cell // 2], fill=glass)
+        else:
+            trunk = max(2, w // 10)
+            shape("rectangle", [x + w // 2 - trunk // 2, top + (horizon - top) // 2, x + w // 2 + trunk // 2,
+                                horizon + 2], _jitter(rng, (90, 70, 40)), "vegetation")
+            shape("ellipse", [x, top, x + w, top + (horizon - top) * 3 // 4], _jitter(rng, (107, 142, 35), 30),
+                  "vegetation")
+        x += w
+    # Ground: sidewalk or terrain on both sides, the road in perspective towards a vanishing point.
+    ground = "terrain" if rng.random() < 0.3 else "sidewalk"
+    ground_color = (152, 200, 120) if ground == "terrain" else (190, 160, 170)
+    shape("rectangle", [0, horizon, width, height], _jitter(rng, ground_color, 20), ground)
+    vanish = width * rng.uniform(0.35, 0.65)
+    left_edge, right_edge = width * rng.uniform(-0.4, 0.1), width * rng.uniform(0.9, 1.4)
+    road = [(vanish - 2, horizon), (vanish + 2, horizon), (right_edge, height), (left_edge, height)]
+    shape("polygon", road, _jitter(rng, (110, 80, 110), 20), "road")
+    for t in np.arange(0.1, 1.0, 0.2):  # lane marks: paint on the road, still labelled road
+        y0, y1 = horizon + (height - horizon) * t, horizon + (height - horizon) * (t + 0.08)
+        x0, x1 = vanish + (width / 2 - vanish) * t, vanish + (width / 2 - vanish) * (t + 0.08)
+        paint.line([(x0, y0), (x1, y1)], fill=(230, 230, 230), width=max(1, int(3 * t)))
+
+    def road_x(y, frac):  # a point at fraction frac across the road at row y
+        t = (y - horizon) / (height - horizon)
+        lo, hi = vanish + (left_edge - vanish) * t, vanish + (right_edge - vanish) * t
+        return lo + (hi - lo) * frac
+
+    # Poles with signs or traffic lights, and people, beside the road.
+    for _ in range(int(rng.integers(1, 4))):
+        base = horizon + (height - horizon) * rng.uniform(0.2, 0.7)
+        side = rng.choice([-0.15, 1.15])
+        px = road_x(base, side)
+        size = (base - horizon) / (height - horizon) * height * 0.5 + 6
+        pw, top = max(2, size * 0.08), base - size * 1.6
+        shape("rectangle", [px - pw, top, px + pw, base], _jitter(rng, (153, 153, 153), 15), "pole")
+        if rng.random() < 0.6:
+            s = size * 0.25
+            color = _jitter(rng, rng.choice([(220, 220, 0), (200, 30, 30), (30, 60, 200)]), 20)
+            shape("ellipse" if rng.random() < 0.5 else "rectangle", [px - s, top - s, px + s, top + s], color,
+                  "traffic sign")
+        else:
+            s = size * 0.15
+            shape("rectangle", [px - s, top, px + s, top + 5 * s], _jitter(rng, (40, 40, 30), 10), "traffic light")
+            lamp = [(220, 30, 30), (250, 170, 30), (30, 200, 60)][int(rng.integers(0, 3))]
+            paint.ellipse([px - s * 0.6, top + s * 0.6, px + s * 0.6, top + s * 1.8], fill=lamp)
+    for _ in range(int(rng.integers(0, 4))):
+        feet = horizon + (height - horizon) * rng.uniform(0.15, 0.9)
+        px = road_x(feet, rng.choice([-0.1, 1.1]) + rng.uniform(-0.05, 0.05))
+        h = (feet - horizon) / (height - horizon) * height * 0.45 + 8
+        clothes = _jitter(rng, tuple(int(v) for v in rng.integers(0, 256, 3)), 0)
+        shape("rectangle", [px - h * 0.14, feet - h * 0.8, px + h * 0.14, feet], clothes, "person")
+        shape("ellipse", [px - h * 0.1, feet - h, px + h * 0.1, feet - h * 0.78], _jitter(rng, (220, 180, 150)),
+              "person")
+    # Cars on the road, far ones first so near ones cover them.
+    for base in sorted(horizon + (height - horizon) * rng.uniform(0.1, 0.95, int(rng.integers(1, 5)))):
+        cx = road_x(base, rng.uniform(0.15, 0.85))
+        w = (base - horizon) / (height - horizon) * width * 0.35 + 6
+        h = w * 0.55
+        body = _jitter(rng, tuple(int(v) for v in rng.integers(0, 256, 3)), 0)
+        shape("rectangle", [cx - w / 2, base - h * 0.6, cx + w / 2, base - h * 0.1], body, "car")
+        shape("rectangle", [cx - w * 0.35, base - h, cx + w * 0.35, base - h * 0.55], body, "car")
+        paint.rectangle([cx - w * 0.3, base - h * 0.92, cx + w * 0.3, base - h * 0.62], fill=(60, 70, 90))
+        for wx in (cx - w * 0.32, cx + w * 0.32):
+            shape("ellipse", [wx - h * 0.17, base - h * 0.3, wx + h * 0.17, base], (20, 20, 20), "car")
+    # The ego vehicle's bonnet at the bottom, void in Cityscapes: it teaches the loss to ignore.
+    shape("rectangle", [0, int(height * 0.94), width, height], _jitter(rng, (30, 30, 35), 10), "ego vehicle")
+
+    pixels = np.asarray(image, dtype=np.float32) * rng.uniform(0.75, 1.2)
+    pixels += rng.normal(0.0, 8.0, pixels.shape)
+    return np.clip(pixels, 0, 255).astype(np.uint8), np.asarray(label)
+
+
+def write_synthetic(root, num_train=200, num_val=50, size=(256, 128), seed=0):
+    """Write a synthetic Cityscapes under root, in the official layout and naming. Deterministic for a seed."""
+    width, height = size
+    for split_index, (split, count, cities) in enumerate(
+            (("train", num_train, _TRAIN_CITIES), ("val", num_val, _VAL_CITIES))):
+        for i in range(count):
+            city = cities[i % len(cities)]
+            stem = f"{city}_{i // len(cities):06d}_{19:06d}"
+            image_dir = os.path.join(root, "leftImg8bit", split, city)
+            label_dir = os.path.join(root, "gtFine", split, city)
+            os.makedirs(image_dir, exist_ok=True)
+            os.makedirs(label_dir, exist_ok=True)
+            image, label = draw_street(np.random.default_rng([seed, split_index, i]), width, height)
+            Image.fromarray(image).save(os.path.join(image_dir, f"{stem}_leftImg8bit.png"))
+            Image.fromarray(label).save(os.path.join(label_dir, f"{stem}_gtFine_labelIds.png"))
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description="Write a synthetic Cityscapes in the official layout.")
+    parser.add_argument("--synthetic", metavar="DIR", required=True, help="folder to write the data set into")
+    parser.add_argument("--num-train", type=int, default=200)
+    parser.add_argument("--num-val", type=int, default=50)
+    parser.add_argument("--size", type=int, nargs=2, default=(256, 128), metavar=("W", "H"))
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    if min(args.size) < 16 or args.num_train < 1 or args.num_val < 1:
+        sys.exit("dataset.py: --size must be at least 16 16 and --num-train, --num-val at least 1")
+    write_synthetic(args.synthetic, args.num_train, args.num_val, tuple(args.size), args.seed)
+    print(f"wrote {args.num_train} train and {args.num_val} val images ({args.size[0]}x{args.size[1]}) "
+          f"to {args.synthetic}")

@@ -1,0 +1,132 @@
+"""DeepLabV3 and DeepLabV3+ on torchvision backbones.
+
+    from models import DeepLab, build_model
+    model = DeepLab()                               # DeepLabV3+ ResNet-101, output stride 16, 19 classes
+    model = build_model("deeplabv3_mobilenet_v3_large", num_classes=19)
+
+The model returns logits at the input's resolution, shape (N, num_classes, H, W).
+
+Pieces come from torchvision: the backbones (ResNet with dilation instead of stride, MobileNetV3 with
+its dilated last stage), IntermediateLayerGetter to read features out of them, and the ASPP module.
+What torchvision lacks is the V3+ decoder (Chen et al., 2018, section 3.1): it upsamples ASPP's output
+by 4, concatenates 48 channels projected from the backbone's stride-4 features, and refines with two
+3x3 convolutions. That is the only new module here.
+"""
+import os
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torchvision import models
+from torchvision.models._utils import IntermediateLayerGetter
+from torchvision.models.segmentation.deeplabv3 import ASPP
+
+MODEL_NAMES = (
+    "deeplabv3_resnet50", "deeplabv3_resnet101", "deeplabv3plus_resnet50", "deeplabv3plus_resnet101",
+    "deeplabv3_mobilenet_v3_large", "deeplabv3plus_mobilenet_v3_large",
+)
+BACKBONES = ("resnet50", "resnet101", "mobilenet_v3_large")
+
+
+def _conv_bn_relu(in_channels, out_channels, kernel_size):
+    return nn.Sequential(
+        nn.Conv2d(in_channels, out_channels, kernel_size, padding=kernel_size // 2, bias=False),
+        nn.BatchNorm2d(out_channels),
+        nn.ReLU(inplace=True),
+    )
+
+
+def _load_backbone_weights(net, backbone, pretrained):
+    """pretrained: None (random init), "imagenet" (torchvision's weights, downloaded once into the torch
+    hub cache), or the path of a .pth state dict of the torchvision classification model."""
+    if pretrained is None or pretrained in ("", "none"):
+        return
+    if pretrained == "imagenet":
+        weights = {"resnet50": models.ResNet50_Weights.IMAGENET1K_V1,
+                   "resnet101": models.ResNet101_Weights.IMAGENET1K_V1,
+                   "mobilenet_v3_large": models.MobileNet_V3_Large_Weights.IMAGENET1K_V1}[backbone]
+        try:
+            state = weights.get_state_dict(progress=False)
+        except Exception as error:  # no network, proxy, ...
+            raise RuntimeError(
+                f"could not download the ImageNet weights of {backbone} ({weights.url}): {error}. "
+                f"Download that file elsewhere and pass its path to --pretrained-backbone") from None
+    else:
+        if not os.path.isfile(pretrained):
+            raise FileNotFoundError(f"--pretrained-backbone {pretrained}: no such file")
+        state = torch.load(pretrained, map_location="cpu", weights_only=True)
+        state = state.get("state_dict", state) if isinstance(state, dict) else state
+    # The classifier of the ImageNet model (fc / classifier) has no place here; everything else must fit.
+    state = {k: v for k, v in state.items() if not k.startswith(("fc.", "classifier."))}
+    missing, unexpected = net.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not k.startswith(("fc.", "classifier."))]
+    if missing or unexpected:
+        raise RuntimeError(f"--pretrained-backbone {pretrained} does not fit {backbone}: "
+                           f"{len(missing)} missing keys (e.g. {missing[:3]}), "
+                           f"{len(unexpected)} unexpected (e.g. {unexpected[:3]})")
+
+
+def _backbone(name, output_stride, pretrained):
+    """-> (feature extractor returning {"out": stride-16/8 features, "low": stride-4 features},
+    channels of "out", channels of "low")."""
+    if name in ("resnet50", "resnet101"):
+        if output_stride not in (8, 16):
+            raise ValueError(f"output stride {output_stride}: ResNet backbones support 8 or 16")
+        # Dilate the last one (OS16) or two (OS8) stages instead of striding, as DeepLab does.
+        dilate = [False, output_stride == 8, True]
+        net = getattr(models, name)(weights=None, replace_stride_with_dilation=dilate)
+        _load_backbone_weights(net, name, pretrained)
+        return IntermediateLayerGetter(net, {"layer1": "low", "layer4": "out"}), 2048, 256
+    if name == "mobilenet_v3_large":
+        if output_stride != 16:
+            raise ValueError(f"output stride {output_stride}: mobilenet_v3_large supports 16 only")
+        net = models.mobilenet_v3_large(weights=None, dilated=True)  # last stage dilated: stride 16
+        _load_backbone_weights(net, name, pretrained)
+        features = net.features
+        # The blocks that reduce resolution carry _is_cn; the one before the second of them ends stride 4.
+        strided = [i for i, block in enumerate(features) if getattr(block, "_is_cn", False)]
+        low = strided[1] - 1
+        return (IntermediateLayerGetter(features, {str(low): "low", str(len(features) - 1): "out"}),
+                features[-1].out_channels, features[low].out_channels)
+    raise ValueError(f"unknown backbone {name!r}; choose from {', '.join(BACKBONES)}")
+
+
+class DeepLab(nn.Module):
+    """DeepLabV3 (plus=False) or DeepLabV3+ (plus=True) for semantic segmentation.
+
+    The defaults are the published Cityscapes recipe's model: DeepLabV3+, ResNet-101, output stride 16.
+    """
+
+    def __init__(self, num_classes=19, backbone="resnet101", plus=True, output_stride=16,
+                 pretrained_backbone=None):
+        super().__init__()
+        self.backbone, channels, low_channels = _backbone(backbone, output_stride, pretrained_backbone)
+        # Atrous rates scale with the output stride: (6, 12, 18) at 16, doubled at 8 (DeepLabV3 paper).
+        rates = (6, 12, 18) if output_stride == 16 else (12, 24, 36)
+        self.aspp = ASPP(channels, rates, out_channels=256)
+        if plus:
+            self.low_level = _conv_bn_relu(low_channels, 48, 1)
+            self.decoder = nn.Sequential(_conv_bn_relu(256 + 48, 256, 3), _conv_bn_relu(256, 256, 3))
+        else:
+            self.low_level = None
+            self.decoder = _conv_bn_relu(256, 256, 3)
+        self.classifier = nn.Conv2d(256, num_classes, 1)
+
+    def forward(self, images):
+        features = self.backbone(images)
+        x = self.aspp(features["out"])
+        if self.low_level is not None:
+            low = self.low_level(features["low"])
+            x = F.interpolate(x, size=low.shape[-2:], mode="bilinear", align_corners=False)
+            x = torch.cat([x, low], dim=1)
+        x = self.classifier(self.decoder(x))
+        return F.interpolate(x, size=images.shape[-2:], mode="bilinear", align_corners=False)
+
+
+def build_model(name, num_classes=19, output_stride=16, pretrained_backbone=None):
+    """A model by its --model name, e.g. "deeplabv3plus_resnet101"."""
+    if name not in MODEL_NAMES:
+        raise ValueError(f"unknown model {name!r}; choose from {', '.join(MODEL_NAMES)}")
+    head, backbone = name.split("_", 1)
+    return DeepLab(num_classes, backbone, plus=head == "deeplabv3plus", output_stride=output_stride,
+                   pretrained_backbone=pretrained_backbone)
