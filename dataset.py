@@ -229,8 +229,8 @@ def draw_street(rng, width, height):
     # The ego vehicle's bonnet at the bottom, void in Cityscapes: it teaches the loss to ignore.
     shape("rectangle", [0, int(height * 0.94), width, height], _jitter(rng, (30, 30, 35), 10), "ego vehicle")
 
-    pixels = np.asarray(image, dtype=np.float32) * rng.uniform(0.75, 1.2)
-    pixels += rng.normal(0.0, 8.0, pixels.shape)
+    pixels = np.asarray(image, dtype=np.float32) * np.float32(rng.uniform(0.75, 1.2))
+    pixels += rng.standard_normal(pixels.shape, dtype=np.float32) * 8
     return np.clip(pixels, 0, 255).astype(np.uint8), np.asarray(label)
 
 
@@ -247,7 +247,8 @@ def write_synthetic(root, num_train=200, num_val=50, size=(256, 128), seed=0):
             os.makedirs(image_dir, exist_ok=True)
             os.makedirs(label_dir, exist_ok=True)
             image, label = draw_street(np.random.default_rng([seed, split_index, i]), width, height)
-            Image.fromarray(image).save(os.path.join(image_dir, f"{stem}_leftImg8bit.png"))
+            # compress_level=1: noisy images barely compress anyway, and writing is 5x faster.
+            Image.fromarray(image).save(os.path.join(image_dir, f"{stem}_leftImg8bit.png"), compress_level=1)
             Image.fromarray(label).save(os.path.join(label_dir, f"{stem}_gtFine_labelIds.png"))
 
 

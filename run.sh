@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# Launch main.py with torchrun: one process per visible GPU, or NPROC gloo processes on the CPU.
+#
+#   CUDA_VISIBLE_DEVICES=0,1 ./run.sh                  # 2 GPUs, the published recipe on data/cityscapes
+#   ./run.sh --epochs 10 --lr 0.02                     # arguments after run.sh go to main.py (and win)
+#   NPROC=4 ./run.sh                                   # on a CPU: 4 gloo processes (default 2)
+#   DATA=/datasets/cityscapes OUTPUT_DIR=runs/r101 ./run.sh
+#   NNODES=2 NODE_RANK=0 MASTER_ADDR=10.0.0.1 MASTER_PORT=29500 ./run.sh   # on node 0; NODE_RANK=1 on node 1
+#
+# With no Cityscapes in DATA it writes a synthetic set once (data/cityscapes_synthetic) and trains a
+# demo sized for a laptop CPU: a few minutes on 2 cores.
+set -euo pipefail
+cd "$(dirname "$0")"
+
+DATA=${DATA:-data/cityscapes}
+OUTPUT_DIR=${OUTPUT_DIR:-output}
+NNODES=${NNODES:-1}
+NODE_RANK=${NODE_RANK:-0}
+MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}
+MASTER_PORT=${MASTER_PORT:-29500}
+PYTHON=${PYTHON:-python}
+SYNTHETIC=${SYNTHETIC:-data/cityscapes_synthetic}
+
+NGPU=$("$PYTHON" -c "import torch; print(torch.cuda.device_count())")
+if [ "$NGPU" -gt 0 ]; then
+  NPROC=${NPROC:-$NGPU}
+else
+  NPROC=${NPROC:-2}
+  # One process per core at most: more threads than cores make every process slower.
+  THREADS=$(( $(nproc) / NPROC )); [ "$THREADS" -ge 1 ] || THREADS=1
+  export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$THREADS}
+fi
+
+if compgen -G "$DATA/leftImg8bit/train/*/*_leftImg8bit.png" >/dev/null; then
+  # The published recipe: DeepLabV3+ ResNet-101, output stride 16, crop 768, global batch 16,
+  # lr 0.01 with poly decay, ImageNet backbone (downloaded once; offline, pass a local .pth instead).
+  WORLD=$(( NPROC * NNODES ))
+  BATCH=$(( 16 / WORLD )); [ "$BATCH" -ge 1 ] || BATCH=1
+  if [ $(( BATCH * WORLD )) -ne 16 ]; then
+    echo "run.sh: note: global batch is $(( BATCH * WORLD )), not the recipe's 16 ($WORLD processes)"
+  fi
+  ARGS=(--model deeplabv3plus_resnet101 --output-stride 16 --crop-size 768 -b "$BATCH" --lr 0.01
+        --epochs 200 --pretrained-backbone imagenet)
+else
+  echo "run.sh: no Cityscapes in $DATA (README.md says how to get it); training a demo on a synthetic set"
+  if [ ! -d "$SYNTHETIC" ]; then
+    # Write into a temporary folder and rename: an interrupted run never leaves half a data set.
+    rm -rf "$SYNTHETIC.tmp"
+    "$PYTHON" dataset.py --synthetic "$SYNTHETIC.tmp" --num-train 300 --num-val 60 --size 256 128
+    mv "$SYNTHETIC.tmp" "$SYNTHETIC"
+  fi
+  DATA=$SYNTHETIC
+  ARGS=(--model deeplabv3plus_mobilenet_v3_large --crop-size 128 -b 8 --lr 0.05 --epochs 12 -j 1 -p 6)
+fi
+
+if [ "$NNODES" -gt 1 ]; then
+  LAUNCH=(--nnodes "$NNODES" --node_rank "$NODE_RANK" --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT")
+else
+  LAUNCH=(--standalone)  # a free port on this machine, no rendezvous server to set up
+fi
+echo "run.sh: $NPROC process(es) on this node, $NNODES node(s), data $DATA, output $OUTPUT_DIR"
+exec "$PYTHON" -m torch.distributed.run "${LAUNCH[@]}" --nproc_per_node "$NPROC" \
+  main.py --data "$DATA" --output-dir "$OUTPUT_DIR" "${ARGS[@]}" "$@"
