@@ -17,7 +17,6 @@ import torch
 import torchvision
 from PIL import Image, ImageDraw
 from torchvision import tv_tensors
-from torchvision.io import ImageReadMode, decode_image
 from torchvision.transforms.v2 import functional as F
 
 # The label table: torchvision carries the official one (cityscapesScripts' labels.py), so we read it
@@ -104,9 +103,12 @@ class Cityscapes(torchvision.datasets.Cityscapes):
         self.epoch = 0  # main.py sets it each epoch: augmentation is drawn from (seed, epoch, index)
 
     def __getitem__(self, index):
-        image = tv_tensors.Image(decode_image(self.images[index], mode=ImageReadMode.RGB))
-        label_ids = decode_image(self.targets[index][0], mode=ImageReadMode.GRAY)
-        label = tv_tensors.Mask(ID_TO_TRAINID[label_ids.long()])  # .long(): a uint8 index would be a mask
+        # PIL decodes: torchvision.io's decoders are deprecated since 0.29 in favour of a new dependency.
+        with Image.open(self.images[index]) as image:
+            image = tv_tensors.Image(torch.from_numpy(np.array(image.convert("RGB"))).permute(2, 0, 1))
+        with Image.open(self.targets[index][0]) as label_ids:
+            label_ids = torch.from_numpy(np.array(label_ids))  # 8-bit labelIds, used as stored
+        label = tv_tensors.Mask(ID_TO_TRAINID[label_ids.long()][None])  # .long(): a uint8 index is a mask
         if self.crop_size is not None:
             generator = sample_generator(self.seed, self.epoch, index)
             image, label = train_transform(image, label, self.crop_size, generator)

@@ -85,8 +85,11 @@ def get_args_parser():
 
 
 def is_main_process():
-    """Global rank 0 (not local rank 0: with several nodes that would be one per node)."""
-    return not dist.is_initialized() or dist.get_rank() == 0
+    """Global rank 0 (not local rank 0: with several nodes that would be one per node). Before the process
+    group exists, the launcher's RANK says it."""
+    if dist.is_initialized():
+        return dist.get_rank() == 0
+    return int(os.environ.get("RANK", 0)) == 0
 
 
 def log(*message):

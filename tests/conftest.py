@@ -1,0 +1,37 @@
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from dataset import write_synthetic  # noqa: E402
+
+# Tiny everything: 64x32 images, a MobileNet DeepLab, one thread per process.
+TRAIN_ARGS = ["--model", "deeplabv3plus_mobilenet_v3_large", "--crop-size", "32", "-b", "2", "-j", "0",
+              "--pretrained-backbone", "none", "-p", "1"]
+
+
+@pytest.fixture(scope="session")
+def tiny_data(tmp_path_factory):
+    """8 train and 5 val images (5: divisible by neither 2 nor 3), in the official layout."""
+    root = str(tmp_path_factory.mktemp("cityscapes"))
+    write_synthetic(root, num_train=8, num_val=5, size=(64, 32), seed=3)
+    return root
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(command, env=None, timeout=240):
+    """Run a command in the repository root with one thread per process; fail with its output."""
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    result = subprocess.run(command, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, f"{command} exited {result.returncode}:\n{result.stdout}\n{result.stderr}"
+    return result.stdout + result.stderr

@@ -1,0 +1,72 @@
+import os
+
+import numpy as np
+import torch
+import torchvision
+from PIL import Image
+
+from dataset import ID_TO_TRAINID, IGNORE_INDEX, TRAINID_TO_ID, Cityscapes, train_transform, write_synthetic
+
+# The official table (cityscapesScripts labels.py, FIELD-NOTES.md), typed here independently of the code.
+OFFICIAL_TRAIN_IDS = {7: 0, 8: 1, 11: 2, 12: 3, 13: 4, 17: 5, 19: 6, 20: 7, 21: 8, 22: 9, 23: 10, 24: 11, 25: 12,
+                      26: 13, 27: 14, 28: 15, 31: 16, 32: 17, 33: 18}
+
+
+def test_id_to_trainid_equals_official_table():
+    assert ID_TO_TRAINID.shape == (256,)
+    expected = [OFFICIAL_TRAIN_IDS.get(label_id, 255) for label_id in range(256)]
+    assert ID_TO_TRAINID.tolist() == expected
+    assert TRAINID_TO_ID.tolist() == sorted(OFFICIAL_TRAIN_IDS)
+
+
+def test_synthetic_set_has_official_layout_and_loads_through_torchvision(tiny_data):
+    for split, count in (("train", 8), ("val", 5)):
+        reference = torchvision.datasets.Cityscapes(tiny_data, split=split, mode="fine", target_type="semantic")
+        ours = Cityscapes(tiny_data, split)
+        assert len(reference) == len(ours) == count
+        assert len({os.path.basename(os.path.dirname(p)) for p in ours.images}) >= 2  # several cities
+        assert ours.images == sorted(reference.images)  # same files, in a defined order
+        for index, path in enumerate(reference.images):
+            name = os.path.basename(path)
+            city, seq, frame, suffix = name.split("_")
+            assert (len(seq), len(frame), suffix) == (6, 6, "leftImg8bit.png")
+            _, target = reference[index]
+            label_ids = torch.from_numpy(np.array(target))
+            _, label = ours[ours.images.index(path)]
+            assert torch.equal(label, ID_TO_TRAINID[label_ids.long()])  # labelIds -> trainIds
+
+
+def test_synthetic_scenes_are_deterministic_varied_and_labelled(tmp_path):
+    write_synthetic(str(tmp_path / "a"), 6, 2, (128, 64), seed=1)
+    write_synthetic(str(tmp_path / "b"), 6, 2, (128, 64), seed=1)
+    write_synthetic(str(tmp_path / "c"), 6, 2, (128, 64), seed=2)
+    files = sorted(os.path.relpath(os.path.join(d, f), tmp_path / "a")
+                   for d, _, fs in os.walk(tmp_path / "a") for f in fs)
+    read = lambda root, f: np.array(Image.open(os.path.join(root, f)))  # noqa: E731
+    assert all(np.array_equal(read(tmp_path / "a", f), read(tmp_path / "b", f)) for f in files)
+    assert not all(np.array_equal(read(tmp_path / "a", f), read(tmp_path / "c", f)) for f in files)
+    present = set()
+    for f in files:
+        if f.endswith("labelIds.png"):
+            present |= set(np.unique(ID_TO_TRAINID[torch.from_numpy(read(tmp_path / "a", f)).long()]).tolist())
+    # road, sidewalk, building, vegetation, sky, car at least, and ignored pixels (the ego vehicle)
+    assert {0, 1, 2, 8, 10, 13, IGNORE_INDEX} <= present
+
+
+def test_train_transform_pads_label_with_ignore_and_keeps_pairs_aligned():
+    height, width = 40, 60
+    # Vertical stripes 10 pixels wide: label k, image value 30 * k. A crop, resize or flip applied to one
+    # and not the other shows up as disagreement.
+    stripe = (torch.arange(width) // 10).expand(height, width)
+    image = torchvision.tv_tensors.Image((stripe * 30).to(torch.uint8).expand(3, height, width).clone())
+    label = torchvision.tv_tensors.Mask(stripe.to(torch.uint8)[None].clone())
+    padded = 0
+    for seed in range(40):
+        out_image, out_label = train_transform(image, label, (64, 64), torch.Generator().manual_seed(seed))
+        assert out_image.shape == (3, 64, 64) and out_label.shape == (1, 64, 64)
+        pad = (out_label == IGNORE_INDEX)[0]
+        padded += int(pad.any())
+        assert torch.all(out_image[:, pad] == 0)  # image padded with 0, label with 255 (not 0 = road)
+        agree = (out_image[0][~pad].float() / 30).round() == out_label[0][~pad].float()
+        assert agree.float().mean() > 0.8  # only the blurred stripe edges may differ
+    assert padded > 0  # a scale below 1 happened and was padded

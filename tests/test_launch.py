@@ -1,0 +1,120 @@
+"""main.py under each launcher, and run.sh end to end, as a user runs them (subprocesses, gloo, CPU)."""
+import json
+import os
+import sys
+
+import pytest
+
+from conftest import TRAIN_ARGS, free_port, run
+import main
+
+PY = sys.executable
+
+
+def test_local_rank_from_either_flag_or_environment(monkeypatch):
+    parse = lambda argv: main.get_args_parser().parse_args(argv).local_rank  # noqa: E731
+    assert parse(["--local-rank=1"]) == 1  # torch.distributed.launch since PyTorch 2.0
+    assert parse(["--local_rank", "1"]) == 1  # the tutorial, and launch before 2.0
+    monkeypatch.setenv("LOCAL_RANK", "1")  # torchrun: the environment only
+    assert parse([]) == 1
+
+
+def _metrics(out):
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def _manual_launch(out, data):
+    """The pre-torchrun way: a process per rank, MASTER_ADDR/PORT, RANK, WORLD_SIZE, and --local_rank."""
+    import subprocess
+    port = str(free_port())
+    procs = []
+    for rank in range(2):
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
+               "RANK": str(rank), "WORLD_SIZE": "2"}
+        env.pop("LOCAL_RANK", None)
+        procs.append(subprocess.Popen([PY, "main.py", f"--local_rank={rank}", "--data", data, "--output-dir", out,
+                                       "--epochs", "1", *TRAIN_ARGS], cwd=main.__file__.rsplit("/", 1)[0], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outputs = [p.communicate(timeout=240)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), outputs
+    return outputs[0]
+
+
+@pytest.mark.parametrize("form", ["torchrun", "launch", "local_rank", "plain"])
+def test_each_launch_form_trains_and_evaluates(form, tiny_data, tmp_path):
+    out = str(tmp_path / "out")
+    common = ["main.py", "--data", tiny_data, "--output-dir", out, "--epochs", "1", *TRAIN_ARGS]
+    port = f"--master_port={free_port()}"
+    if form == "torchrun":
+        log = run([PY, "-m", "torch.distributed.run", "--nproc_per_node=2", port, *common])
+    elif form == "launch":  # deprecated, passes --local-rank=N
+        log = run([PY, "-m", "torch.distributed.launch", "--nproc_per_node=2", port, *common])
+    elif form == "local_rank":
+        log = _manual_launch(out, tiny_data)
+    else:
+        log = run([PY, *common])
+    world_size = 1 if form == "plain" else 2
+    assert f"{world_size} process(es)" in log
+    [record] = _metrics(out)
+    assert record["world_size"] == world_size and record["epoch"] == 0
+    assert os.path.isfile(os.path.join(out, "checkpoint.pth"))
+
+
+def test_run_sh_trains_resumes_and_evaluates(tiny_data, tmp_path):
+    out = str(tmp_path / "out")
+    env = {"DATA": tiny_data, "OUTPUT_DIR": out, "NPROC": "2", "MASTER_PORT": str(free_port())}
+    log = run(["./run.sh", "--epochs", "1", *TRAIN_ARGS], env=env)
+    assert "2 process(es), backend gloo" in log
+    records = _metrics(out)
+    assert [r["epoch"] for r in records] == [0]
+    for key in ("train_loss", "lr", "miou", "iou", "train_img_per_s", "epoch_time_s"):
+        assert key in records[0]
+    assert set(records[0]["iou"]) >= {"road", "car", "sky"}
+    for name in ("checkpoint.pth", "best.pth", "vis/epoch_000.png"):
+        assert os.path.isfile(os.path.join(out, name)), name
+
+    log = run(["./run.sh", "--epochs", "2", "--resume", "auto", *TRAIN_ARGS], env=env)
+    assert "resuming from" in log
+    records = _metrics(out)
+    assert [r["epoch"] for r in records] == [0, 1]  # continued at epoch 1, did not redo epoch 0
+    assert records[1]["lr"] < records[0]["lr"]  # the poly schedule continued too
+
+    predictions = str(tmp_path / "predictions")
+    run(["./run.sh", "-e", "--resume", os.path.join(out, "checkpoint.pth"), "--save-predictions", predictions,
+         *TRAIN_ARGS], env=env)
+    with open(os.path.join(out, "eval.json")) as f:
+        result = json.load(f)
+    assert result["num_images"] == 5 and 0 <= result["miou"] <= 1
+    assert result["miou"] == pytest.approx(records[1]["miou"])  # the same model, the same number
+    names = sorted(os.listdir(predictions))
+    assert len(names) == 5 and all(n.endswith("_pred_labelIds.png") for n in names)
+
+
+def test_run_sh_without_data_writes_synthetic_set_and_trains(tmp_path):
+    out, synthetic = str(tmp_path / "out"), str(tmp_path / "synthetic")
+    env = {"DATA": str(tmp_path / "missing"), "OUTPUT_DIR": out, "SYNTHETIC": synthetic, "NPROC": "2",
+           "MASTER_PORT": str(free_port())}
+    log = run(["./run.sh", "--epochs", "1", "--crop-size", "32", "-b", "4", "-p", "50"], env=env)
+    assert "no Cityscapes in" in log
+    assert os.path.isdir(os.path.join(synthetic, "leftImg8bit", "val"))
+    assert [r["epoch"] for r in _metrics(out)] == [0]
+
+
+def test_user_errors_end_with_one_clear_line(tmp_path, tiny_data):
+    import subprocess
+    cases = [
+        (["--data", str(tmp_path / "nowhere")], "not found"),
+        (["--data", tiny_data, "-e"], "--resume"),
+        (["--data", tiny_data, "--resume", str(tmp_path / "none.pth")], "no such file"),
+        (["--data", tiny_data, "-b", "64"], "--batch-size 64"),
+        (["--data", tiny_data, "--amp", "fp16"], "--amp fp16 needs CUDA"),
+    ]
+    for argv, message in cases:
+        result = subprocess.run([PY, "main.py", *argv, "--output-dir", str(tmp_path / "o"), "-j", "0",
+                                 "--model", "deeplabv3plus_mobilenet_v3_large"],
+                                cwd=os.path.dirname(main.__file__), capture_output=True, text=True,
+                                env={**os.environ, "CUDA_VISIBLE_DEVICES": ""}, timeout=120)
+        assert result.returncode != 0
+        assert message in result.stdout + result.stderr, (argv, result.stdout, result.stderr)
+        assert "Traceback" not in result.stderr, (argv, result.stderr)
