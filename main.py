@@ -255,9 +255,10 @@ def main(args):
     if args.evaluate and not args.resume:
         fail("-e/--evaluate evaluates a trained model: give it --resume PATH")
 
-    # Step 1 (continued): the launchers set WORLD_SIZE; without it this is a single plain process.
+    # Step 1 (continued): the launchers set RANK and WORLD_SIZE; without them this is one plain process,
+    # with no process group. Under a launcher even one process takes the DDP path, as eight would.
     local_rank = args.local_rank
-    distributed = int(os.environ.get("WORLD_SIZE", 1)) > 1
+    distributed = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     if use_cuda:
         if local_rank >= torch.cuda.device_count():
             fail(f"local rank {local_rank} but only {torch.cuda.device_count()} GPUs visible: "
@@ -352,7 +353,8 @@ def main(args):
         if not args.evaluate:
             optimizer.load_state_dict(checkpoint["optimizer"])
             scheduler.load_state_dict(checkpoint["scheduler"])
-            scaler.load_state_dict(checkpoint["scaler"])
+            if checkpoint["scaler"] and scaler.is_enabled():  # empty when saved without --amp fp16
+                scaler.load_state_dict(checkpoint["scaler"])
             start_epoch = checkpoint["epoch"] + 1
             best_miou = checkpoint["best_miou"]
         log(f"loaded {resume} (epoch {checkpoint['epoch']}, best mIoU {checkpoint['best_miou']:.4f})")

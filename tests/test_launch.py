@@ -30,7 +30,7 @@ def _manual_launch(out, data):
     port = str(free_port())
     procs = []
     for rank in range(2):
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
                "RANK": str(rank), "WORLD_SIZE": "2"}
         env.pop("LOCAL_RANK", None)
         procs.append(subprocess.Popen([PY, "main.py", f"--local_rank={rank}", "--data", data, "--output-dir", out,
