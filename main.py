@@ -123,7 +123,8 @@ def peak_memory_gib(device):
 
 
 def train_one_epoch(model, optimizer, scheduler, scaler, loader, device, epoch, args):
-    """One pass over this rank's shard. Returns (mean loss over all ranks, images/s over all ranks)."""
+    """One pass over this rank's shard. Returns (mean loss over all ranks, the last step's learning rate,
+    training images per second over all ranks)."""
     model.train()
     world_size = dist.get_world_size() if dist.is_initialized() else 1
     amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, None: None}[args.amp]
@@ -139,6 +140,7 @@ def train_one_epoch(model, optimizer, scheduler, scaler, loader, device, epoch, 
         scaler.scale(loss).backward()  # DDP all-reduces (averages) gradients here, bucket by bucket
         scaler.step(optimizer)
         scaler.update()
+        lr = optimizer.param_groups[0]["lr"]  # the rate this step used
         scheduler.step()  # poly decay, stepped every iteration, not every epoch
         loss_sum += loss.detach()  # no .item(): that would wait for the GPU every step
         window_images += images.shape[0]
@@ -151,12 +153,12 @@ def train_one_epoch(model, optimizer, scheduler, scaler, loader, device, epoch, 
             seconds_per_step = (now - start) / (step + 1)
             eta = seconds_per_step * ((steps - step - 1) + (args.epochs - epoch - 1) * steps)
             log(f"epoch {epoch} step {step + 1}/{steps} loss {mean_loss:.4f} "
-                f"lr {optimizer.param_groups[0]['lr']:.5f} {images_per_s:.1f} img/s "
+                f"lr {lr:.5f} {images_per_s:.1f} img/s "
                 f"eta {timedelta(seconds=round(eta))} peak mem {peak_memory_gib(device):.2f} GiB")
             window_start, window_images = now, 0
     elapsed = time.time() - start
     mean_loss = all_reduce_sum(loss_sum).item() / (steps * world_size)
-    return mean_loss, steps * args.batch_size * world_size / elapsed
+    return mean_loss, lr, steps * args.batch_size * world_size / elapsed
 
 
 def sync_buffers(model):
@@ -391,7 +393,7 @@ def main(args):
         train_sampler.set_epoch(epoch)
         train_set.epoch = epoch
         epoch_start = time.time()
-        train_loss, images_per_s = train_one_epoch(model, optimizer, scheduler, scaler, train_loader,
+        train_loss, lr, images_per_s = train_one_epoch(model, optimizer, scheduler, scaler, train_loader,
                                                    device, epoch, args)
         sync_buffers(model_without_ddp)
         eval_start = time.time()
@@ -413,7 +415,7 @@ def main(args):
                 save_checkpoint(state, os.path.join(args.output_dir, "best.pth"))
             picture = os.path.join(args.output_dir, "vis", f"epoch_{epoch:03d}.png")
             save_picture(picture, sample)
-            record = {"epoch": epoch, "train_loss": train_loss, "lr": optimizer.param_groups[0]["lr"],
+            record = {"epoch": epoch, "train_loss": train_loss, "lr": lr,
                       "miou": miou, "iou": {n: (None if math.isnan(v) else v)
                                             for n, v in zip(CLASS_NAMES, iou.tolist())},
                       "train_img_per_s": images_per_s, "epoch_time_s": time.time() - epoch_start,
