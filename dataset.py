@@ -9,6 +9,7 @@ No real data at hand? Write a synthetic set in exactly the official layout and f
     python dataset.py --synthetic data/cityscapes_synthetic --num-train 200 --num-val 50 --size 256 128
 """
 import argparse
+import glob
 import os
 import sys
 
@@ -35,6 +36,7 @@ for _c in _TRAIN_CLASSES:
 # TRAINID_TO_ID[trainId] -> labelId: predictions for the official evaluation are written as labelIds.
 TRAINID_TO_ID = torch.tensor([c.id for c in _TRAIN_CLASSES], dtype=torch.uint8)
 
+MAX_LABEL_ID = max(c.id for c in _TABLE)  # 33; an 8-bit labelIds PNG holds nothing larger
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)  # ImageNet's: the backbones were trained with them
 
 
@@ -77,6 +79,10 @@ def train_transform(image, label, crop_size, generator, scale_range=(0.5, 2.0)):
     return image, label
 
 
+class BadInput(ValueError):
+    """A data problem the user can fix: main.py prints its message as one line, without a traceback."""
+
+
 class Cityscapes(torchvision.datasets.Cityscapes):
     """torchvision's Cityscapes (it knows the layout), with three things it leaves to the user:
     a file order that is the same on every rank (it lists with os.listdir, whose order is not defined),
@@ -87,27 +93,59 @@ class Cityscapes(torchvision.datasets.Cityscapes):
     """
 
     def __init__(self, root, split="train", crop_size=None, seed=0):
+        get = "README.md says how to get Cityscapes; ./run.sh writes a synthetic set for a demo"
         for sub in ("leftImg8bit", "gtFine"):
             if not os.path.isdir(os.path.join(root, sub, split)):
-                raise FileNotFoundError(
-                    f"{os.path.join(root, sub, split)} not found: {root} should hold Cityscapes "
-                    "(leftImg8bit/ and gtFine/, see README.md); ./run.sh writes a synthetic set for a demo")
+                raise BadInput(f"{os.path.join(root, sub, split)} not found: {root} should hold Cityscapes "
+                               f"(leftImg8bit/ and gtFine/). {get}")
         super().__init__(root, split=split, mode="fine", target_type="semantic")
         pairs = sorted(zip(self.images, (t[0] for t in self.targets)))
         if not pairs:
-            raise FileNotFoundError(f"{os.path.join(root, 'leftImg8bit', split)} holds no images")
+            raise BadInput(f"{os.path.join(root, 'leftImg8bit', split)} holds no *_leftImg8bit.png images. {get}")
         self.images = [image for image, _ in pairs]
         self.targets = [[target] for _, target in pairs]
+        missing = [t for _, t in pairs if not os.path.isfile(t)]
+        if missing:
+            raise BadInput(f"{len(missing)} {split} image(s) have no label file, e.g. {missing[0]} is missing; "
+                           "add the gtFine labels or remove those images")
+        labels = glob.glob(os.path.join(root, "gtFine", split, "*", "*_gtFine_labelIds.png"))
+        orphans = sorted(set(labels) - {t for _, t in pairs})
+        if orphans:
+            raise BadInput(f"{len(orphans)} {split} label(s) have no image, e.g. {orphans[0]}; "
+                           "add the leftImg8bit images or remove those labels")
         self.crop_size = crop_size
         self.seed = seed
         self.epoch = 0  # main.py sets it each epoch: augmentation is drawn from (seed, epoch, index)
 
+    def check_files(self):
+        """Read every file's header (not its pixels: about 0.1 ms a pair): each opens as a PNG, and each
+        label has its image's size. Catches most bad files before any training time is spent."""
+        for image_path, (label_path,) in zip(self.images, self.targets):
+            sizes = []
+            for path in (image_path, label_path):
+                try:
+                    with Image.open(path) as f:
+                        sizes.append(f.size)
+                except Exception as error:
+                    raise BadInput(f"{path} cannot be read as an image ({error}); replace or remove it") from None
+            if sizes[0] != sizes[1]:
+                raise BadInput(f"{label_path} is {sizes[1][0]}x{sizes[1][1]} but its image is "
+                               f"{sizes[0][0]}x{sizes[0][1]}; they must match")
+
     def __getitem__(self, index):
         # PIL decodes: torchvision.io's decoders are deprecated since 0.29 in favour of a new dependency.
-        with Image.open(self.images[index]) as image:
-            image = tv_tensors.Image(torch.from_numpy(np.array(image.convert("RGB"))).permute(2, 0, 1))
-        with Image.open(self.targets[index][0]) as label_ids:
-            label_ids = torch.from_numpy(np.array(label_ids))  # 8-bit labelIds, used as stored
+        image_path, label_path = self.images[index], self.targets[index][0]
+        try:
+            with Image.open(image_path) as f:
+                image = tv_tensors.Image(torch.from_numpy(np.array(f.convert("RGB"))).permute(2, 0, 1))
+            with Image.open(label_path) as f:
+                label_ids = torch.from_numpy(np.array(f))  # 8-bit labelIds, used as stored
+        except Exception as error:
+            raise BadInput(f"cannot decode {image_path} or its label ({error}); replace or remove the pair") from None
+        if label_ids.ndim != 2 or label_ids.dtype != torch.uint8 or int(label_ids.max()) > MAX_LABEL_ID:
+            raise BadInput(f"{label_path} is not a Cityscapes labelIds image (8-bit, values 0-{MAX_LABEL_ID}): "
+                           f"it holds {label_ids.dtype} values up to {int(label_ids.max())}, shape "
+                           f"{tuple(label_ids.shape)}. Use the *_gtFine_labelIds.png files")
         label = tv_tensors.Mask(ID_TO_TRAINID[label_ids.long()][None])  # .long(): a uint8 index is a mask
         if self.crop_size is not None:
             generator = sample_generator(self.seed, self.epoch, index)

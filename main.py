@@ -20,7 +20,9 @@ import json
 import math
 import os
 import resource
+import signal
 import sys
+import threading
 import time
 from datetime import timedelta
 
@@ -33,7 +35,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Subset
 from torch.utils.data.distributed import DistributedSampler
 
-from dataset import (CLASS_NAMES, IGNORE_INDEX, MEAN, NUM_CLASSES, STD, TRAINID_TO_ID, Cityscapes,
+from dataset import (CLASS_NAMES, IGNORE_INDEX, MEAN, NUM_CLASSES, STD, TRAINID_TO_ID, BadInput, Cityscapes,
                      colorize)
 from models import MODEL_NAMES, build_model
 
@@ -70,8 +72,11 @@ def get_args_parser():
                         help="write each val prediction as a labelIds PNG, the official evaluation's input")
     parser.add_argument("--dist-backend", default=None, choices=("nccl", "gloo"),
                         help="default: nccl with CUDA, gloo on the CPU")
-    parser.add_argument("--dist-timeout", type=float, default=10.0, metavar="MINUTES",
+    parser.add_argument("--dist-timeout", type=float, default=5.0, metavar="MINUTES",
                         help="a collective that waits longer than this (a lost peer) ends the job")
+    parser.add_argument("--check-only", type=int, default=0, metavar="WORLD_SIZE",
+                        help="check arguments, data and --resume for a run of WORLD_SIZE processes, then exit "
+                             "(run.sh does this before it starts torchrun)")
     parser.add_argument("--sync-bn", action=argparse.BooleanOptionalAction, default=None,
                         help="SyncBatchNorm (default: on with CUDA and more than one process)")
     parser.add_argument("--find-unused-parameters", action="store_true",
@@ -92,14 +97,18 @@ def is_main_process():
     return int(os.environ.get("RANK", 0)) == 0
 
 
+_QUIET = {"on": False}  # --check-only reports mistakes only
+
+
 def log(*message):
-    if is_main_process():
+    if is_main_process() and not _QUIET["on"]:
         print(*message, flush=True)
 
 
 def fail(message):
     """A mistake the user can fix: one line, no traceback. Every rank sees the same input and fails too."""
-    log(f"main.py: error: {message}")
+    if is_main_process():
+        print(f"main.py: error: {message}", file=sys.stderr, flush=True)
     sys.exit(1)
 
 
@@ -107,6 +116,14 @@ def all_reduce_sum(tensor):
     if dist.is_initialized():
         dist.all_reduce(tensor)
     return tensor
+
+
+def agree(flag, device):
+    """True on every rank if flag is true on any rank. A collective: every rank must call it."""
+    flag = torch.tensor([float(flag)], device=device)
+    if dist.is_initialized():
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
 
 
 def criterion(logits, labels):
@@ -122,16 +139,41 @@ def peak_memory_gib(device):
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # resident set, KiB on Linux
 
 
-def train_one_epoch(model, optimizer, scheduler, scaler, loader, device, epoch, args):
-    """One pass over this rank's shard. Returns (mean loss over all ranks, the last step's learning rate,
-    training images per second over all ranks)."""
+def seed_step(seed, epoch, step, rank):
+    """Seed the random numbers a training step draws (dropout) from its position alone: an uninterrupted
+    run and a resumed one then draw the same numbers. Each rank gets its own."""
+    torch.manual_seed(int(np.random.SeedSequence([seed, epoch, step, rank]).generate_state(1)[0]))
+
+
+def adjust_learning_rate(optimizer, base_lr, step, total_steps):
+    """Poly decay, lr = base_lr * (1 - step / total_steps) ** 0.9, set before every step. Computed from
+    the position in training, so a resumed run, even with another number of processes, continues it."""
+    lr = base_lr * (1 - min(step, total_steps - 1) / total_steps) ** 0.9
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    return lr
+
+
+def train_one_epoch(model, optimizer, scaler, loader, device, epoch, first_step, steps_per_epoch, args,
+                    progress=None):
+    """Train on this rank's shard of one epoch, from step first_step on (a resumed epoch skips the
+    batches it has seen: loader then holds only the rest).
+
+    Returns (sum over ranks and steps of the loss, steps done, last learning rate, training images per
+    second over all ranks, why it stopped early: None, "signal" or "nonfinite")."""
     model.train()
     world_size = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
     amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, None: None}[args.amp]
+    total_steps = args.epochs * steps_per_epoch
     loss_sum = torch.zeros((), device=device)
-    steps, start = len(loader), time.time()
-    window_start, window_images = start, 0
-    for step, (images, labels) in enumerate(loader):
+    start = window_start = time.time()
+    window_images, step, lr, stopped = 0, first_step - 1, 0.0, None
+    for step, (images, labels) in enumerate(loader, start=first_step):
+        if progress is not None:
+            progress["step"] = epoch * steps_per_epoch + step  # read by the heartbeat thread
+        seed_step(args.seed, epoch, step, rank)
+        lr = adjust_learning_rate(optimizer, args.lr, epoch * steps_per_epoch + step, total_steps)
         images = images.to(device, non_blocking=True)
         labels = labels.to(device, non_blocking=True).long()
         with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
@@ -140,25 +182,35 @@ def train_one_epoch(model, optimizer, scheduler, scaler, loader, device, epoch, 
         scaler.scale(loss).backward()  # DDP all-reduces (averages) gradients here, bucket by bucket
         scaler.step(optimizer)
         scaler.update()
-        lr = optimizer.param_groups[0]["lr"]  # the rate this step used
-        scheduler.step()  # poly decay, stepped every iteration, not every epoch
-        loss_sum += loss.detach()  # no .item(): that would wait for the GPU every step
+        loss_sum += loss.detach()
         window_images += images.shape[0]
-        if (step + 1) % args.print_freq == 0 or step + 1 == steps:
-            # The loss printed is the mean over ranks, not rank 0's alone. Every rank joins this
-            # all_reduce, not just the one that prints; it is also where we wait for the GPU.
+        # All ranks agree, after every step, whether to stop: a signal reached some rank (preemption),
+        # or some rank's loss is NaN or infinite. One small all_reduce; reading it waits for the step.
+        flags = torch.tensor([float(stop_signal() is not None), float(not torch.isfinite(loss))], device=device)
+        if dist.is_initialized():
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        signal_seen, nonfinite = flags.tolist()
+        if nonfinite:
+            stopped = "nonfinite"
+            break
+        if (step + 1) % args.print_freq == 0 or step + 1 == steps_per_epoch:
+            # The loss printed is the mean over ranks, not rank 0's alone: every rank joins this.
             mean_loss = all_reduce_sum(loss.detach().clone()).item() / world_size
             now = time.time()
             images_per_s = window_images * world_size / (now - window_start)
-            seconds_per_step = (now - start) / (step + 1)
-            eta = seconds_per_step * ((steps - step - 1) + (args.epochs - epoch - 1) * steps)
-            log(f"epoch {epoch} step {step + 1}/{steps} loss {mean_loss:.4f} "
-                f"lr {lr:.5f} {images_per_s:.1f} img/s "
-                f"eta {timedelta(seconds=round(eta))} peak mem {peak_memory_gib(device):.2f} GiB")
+            seconds_per_step = (now - start) / (step + 1 - first_step)
+            eta = seconds_per_step * ((steps_per_epoch - step - 1) + (args.epochs - epoch - 1) * steps_per_epoch)
+            log(f"epoch {epoch} step {step + 1}/{steps_per_epoch} loss {mean_loss:.4f} lr {lr:.5f} "
+                f"{images_per_s:.1f} img/s eta {timedelta(seconds=round(eta))} "
+                f"peak mem {peak_memory_gib(device):.2f} GiB")
             window_start, window_images = now, 0
+        if signal_seen:
+            stopped = "signal"
+            break
+    steps_done = step + 1 - first_step if stopped != "nonfinite" else step - first_step
     elapsed = time.time() - start
-    mean_loss = all_reduce_sum(loss_sum).item() / (steps * world_size)
-    return mean_loss, lr, steps * args.batch_size * world_size / elapsed
+    return (all_reduce_sum(loss_sum).item(), steps_done, lr,
+            steps_done * args.batch_size * world_size / max(elapsed, 1e-9), stopped)
 
 
 def sync_buffers(model):
@@ -221,6 +273,11 @@ def iou_from_confusion(confusion):
     return miou, iou
 
 
+def iou_dict(iou):
+    """{class name: IoU}, None for classes absent from the val set (JSON has no NaN)."""
+    return {name: (None if math.isnan(value) else value) for name, value in zip(CLASS_NAMES, iou.tolist())}
+
+
 def print_iou_table(miou, iou):
     lines = [f"  {name:<14} {value * 100:6.2f}" if not math.isnan(value) else f"  {name:<14}    n/a"
              for name, value in zip(CLASS_NAMES, iou.tolist())]
@@ -235,14 +292,161 @@ def save_picture(path, sample):
     Image.fromarray(torch.cat([image, colorize(label), colorize(prediction)], dim=1).numpy()).save(path)
 
 
-def save_checkpoint(state, path):
-    """Write to a temporary file, then rename it over path: a crash mid-write leaves the last good one."""
+# --- stopping on a signal ------------------------------------------------------------------------------
+_STOP = {"signal": None, "time": 0.0}
+
+
+def _on_signal(signum, frame):
+    if _STOP["signal"] is None:
+        _STOP["signal"], _STOP["time"] = signum, time.time()
+    elif time.time() - _STOP["time"] > 1.0:  # a second signal (not a copy of the first, which a
+        signal.signal(signum, signal.SIG_DFL)  # scheduler and a launcher may both send): stop now
+        os.kill(os.getpid(), signum)
+
+
+def stop_signal():
+    return _STOP["signal"]
+
+
+def ignore_sigint(worker_id):
+    """A Ctrl-C in a terminal reaches every process of the group, DataLoader workers too: they leave it to
+    the training process, which must still read the batch in flight. (SIGTERM stays fatal for them:
+    multiprocessing uses it to end them when the training process exits.)"""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+# --- a lost peer -----------------------------------------------------------------------------------------
+HEARTBEAT_S = 2.0
+
+
+def start_heartbeat(progress):
+    """Every HEARTBEAT_S, write (time, training step) of this rank into the launcher's key-value store,
+    from a thread: a rank that is stopped, killed or cut off falls silent, one stuck in its own work
+    falls behind. When a collective fails, describe_peers() reads this to name the rank at fault."""
+    store = dist.distributed_c10d._get_default_store()  # the store init_process_group rendezvoused with
+    key = f"heartbeat/{dist.get_rank()}"
+
+    def beat():
+        while True:
+            try:
+                store.set(key, f"{time.time()} {progress['step']}")
+            except Exception:  # the store is gone: the job is ending
+                return
+            time.sleep(HEARTBEAT_S)
+
+    threading.Thread(target=beat, daemon=True, name="heartbeat").start()
+    return store
+
+
+def describe_peers(store, world_size):
+    if store is None:
+        return "no heartbeat to tell which rank"
+    now, beats = time.time(), {}
+    store.set_timeout(timedelta(seconds=5))  # the launcher may be tearing the store down: do not wait on it
+    for rank in range(world_size):
+        try:
+            if store.check([f"heartbeat/{rank}"]):
+                stamp, step = store.get(f"heartbeat/{rank}").decode().split()
+                beats[rank] = (now - float(stamp), int(step))
+        except Exception:
+            pass
+    silent = {r: age for r, (age, _) in beats.items() if age > 3 * HEARTBEAT_S}
+    missing = [r for r in range(world_size) if r not in beats]
+    if silent or missing:
+        parts = [f"rank {r} silent for {age:.0f} s" for r, age in sorted(silent.items())]
+        parts += [f"rank {r} never reported" for r in missing]
+        return ", ".join(parts) + " (stopped, killed, or cut off)"
+    steps = {r: step for r, (_, step) in beats.items()}
+    if len(set(steps.values())) > 1:
+        low = min(steps.values())
+        behind = [r for r, step in steps.items() if step == low]
+        return f"rank(s) {behind} behind at step {low}, others at {max(steps.values())} (stuck in their own work)"
+    return "every rank alive and at the same step: a rank is stuck inside a collective, or the network failed"
+
+
+def is_communication_error(error):
+    text = str(error).lower()
+    return isinstance(error, dist.DistError) or any(
+        word in text for word in ("gloo", "nccl", "timed out", "timeout", "connection", "peer"))
+
+
+# --- checkpoints -----------------------------------------------------------------------------------------
+def save_checkpoint(state, path, keep_previous=False):
+    """Write to a temporary file, fsync, then rename over path: a crash mid-write leaves the last whole
+    checkpoint in place. keep_previous: the one being replaced stays as *.prev.pth, a fallback."""
     tmp = path + ".tmp"
     with open(tmp, "wb") as f:
         torch.save(state, f)
         f.flush()
         os.fsync(f.fileno())
+    if keep_previous and os.path.isfile(path):
+        previous = path.replace(".pth", ".prev.pth")
+        if os.path.exists(previous):
+            os.remove(previous)
+        os.link(path, previous)  # a second name for the old file: checkpoint.pth exists throughout
     os.replace(tmp, path)
+    directory = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
+    os.fsync(directory)  # the rename itself survives a power cut
+    os.close(directory)
+
+
+def read_checkpoint(path):
+    """-> (checkpoint dict, None) or (None, why it cannot be used)."""
+    try:
+        # map_location="cpu": otherwise every rank loads onto the GPU the checkpoint was saved from
+        # (rank 0's), and that GPU holds a copy per rank. weights_only=True: a checkpoint is data, not code.
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:
+        return None, f"cannot be read ({str(error).splitlines()[0][:150]}): truncated or not a checkpoint"
+    if not isinstance(checkpoint, dict) or not {"model", "epoch"} <= checkpoint.keys():
+        return None, "is not a checkpoint of main.py (no 'model' and 'epoch' in it)"
+    return checkpoint, None
+
+
+def find_checkpoint(resume, output_dir):
+    """--resume PATH: that file, or a clear error. --resume auto: output_dir/checkpoint.pth, else the
+    one before it (checkpoint.prev.pth), else nothing: a fresh start. -> (checkpoint, path) or (None, "")"""
+    if resume != "auto":
+        if not os.path.isfile(resume):
+            fail(f"--resume {resume}: no such file")
+        checkpoint, problem = read_checkpoint(resume)
+        if problem:
+            fail(f"--resume {resume} {problem}")
+        return checkpoint, resume
+    for name in ("checkpoint.pth", "checkpoint.prev.pth"):
+        path = os.path.join(output_dir, name)
+        if os.path.isfile(path):
+            checkpoint, problem = read_checkpoint(path)
+            if checkpoint is not None:
+                return checkpoint, path
+            log(f"warning: {path} {problem}; trying the one before it")
+    log(f"no usable checkpoint in {output_dir}: starting afresh")
+    return None, ""
+
+
+def load_model_state(model, checkpoint, path, model_name):
+    saved = checkpoint.get("args", {}).get("model")
+    if saved and saved != model_name:
+        fail(f"--resume {path} holds a {saved} model, but this run builds {model_name}: pass --model {saved}")
+    own = model.state_dict()
+    theirs = checkpoint["model"]
+    wrong = [f"{k} {tuple(v.shape)} vs {tuple(own[k].shape)}" for k, v in theirs.items()
+             if k in own and v.shape != own[k].shape]
+    missing, unexpected = own.keys() - theirs.keys(), theirs.keys() - own.keys()
+    if wrong or missing or unexpected:
+        fail(f"--resume {path} does not fit {model_name} with {NUM_CLASSES} classes: {len(wrong)} tensors of "
+             f"another shape (e.g. {wrong[:1]}), {len(missing)} missing, {len(unexpected)} unexpected")
+    model.load_state_dict(theirs)
+
+
+def metrics_before(path, epoch):
+    """Keep the metrics of epochs before `epoch`: a resumed run rewrites those after it."""
+    if not os.path.isfile(path):
+        return
+    with open(path) as f:
+        kept = [line for line in f if line.strip() and json.loads(line)["epoch"] < epoch]
+    with open(path, "w") as f:
+        f.writelines(kept)
 
 
 def main(args):
@@ -253,15 +457,21 @@ def main(args):
     if args.amp == "fp16" and not use_cuda:
         fail("--amp fp16 needs CUDA; on the CPU use --amp bf16 or no --amp")
     if args.sync_bn and not use_cuda:
-        fail("--sync-bn needs CUDA: SyncBatchNorm does not run on the CPU")
+        fail("--sync-bn needs CUDA: SyncBatchNorm does not run on the CPU; drop the flag")
     if args.evaluate and not args.resume:
         fail("-e/--evaluate evaluates a trained model: give it --resume PATH")
+    if args.start_epoch >= args.epochs and not args.resume:
+        fail(f"--start-epoch {args.start_epoch} is not below --epochs {args.epochs}: nothing to train")
+    _QUIET["on"] = bool(args.check_only)
+    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+    if restarts and not args.resume:
+        args.resume = "auto"  # torchrun restarted us after a failure: carry on from the last checkpoint
 
     # Step 1 (continued): the launchers set RANK and WORLD_SIZE; without them this is one plain process,
     # with no process group. Under a launcher even one process takes the DDP path, as eight would.
     local_rank = args.local_rank
-    distributed = "RANK" in os.environ and "WORLD_SIZE" in os.environ
-    if use_cuda:
+    distributed = "RANK" in os.environ and "WORLD_SIZE" in os.environ and not args.check_only
+    if use_cuda and not args.check_only:
         if local_rank >= torch.cuda.device_count():
             fail(f"local rank {local_rank} but only {torch.cuda.device_count()} GPUs visible: "
                  "start at most one process per GPU")
@@ -277,17 +487,21 @@ def main(args):
         backend = args.dist_backend or ("nccl" if use_cuda else "gloo")
         dist.init_process_group(backend=backend, timeout=timedelta(minutes=args.dist_timeout))
     rank = dist.get_rank() if distributed else 0
-    world_size = dist.get_world_size() if distributed else 1
+    world_size = dist.get_world_size() if distributed else (args.check_only or 1)
     log(f"{world_size} process(es), backend {dist.get_backend() if distributed else 'none'}, "
-        f"device {device.type}, global batch {args.batch_size * world_size}")
+        f"device {device.type}, global batch {args.batch_size * world_size}"
+        + (f", restart {restarts} by torchrun" if restarts else ""))
 
+    # Everything the user can get wrong is checked before any training time is spent.
     try:
         train_set = Cityscapes(args.data, "train", crop_size=crop_size, seed=args.seed)
         val_set = Cityscapes(args.data, "val")
-    except FileNotFoundError as error:
+        train_set.check_files()
+        val_set.check_files()
+    except BadInput as error:
         fail(error)
     if world_size > len(val_set):
-        fail(f"{world_size} processes but only {len(val_set)} val images: use at most {len(val_set)}")
+        fail(f"{world_size} processes but only {len(val_set)} val images: use at most {len(val_set)} processes")
 
     # Step 3: the model, wrapped in DDP. The same seed on every rank gives the same initial weights
     # (DDP would also broadcast rank 0's when it wraps the model).
@@ -297,7 +511,7 @@ def main(args):
     except (ValueError, FileNotFoundError, RuntimeError) as error:
         fail(error)
     model.to(device)
-    sync_bn = args.sync_bn if args.sync_bn is not None else (use_cuda and distributed)
+    sync_bn = args.sync_bn if args.sync_bn is not None else (use_cuda and world_size > 1)
     if sync_bn:
         # Batch statistics over the global batch, not over each GPU's 2-8 images: segmentation batches
         # per GPU are small, and BatchNorm on them is noisy. Not on the CPU: it only runs on CUDA.
@@ -317,115 +531,161 @@ def main(args):
     # must not shuffle (shuffle=False): the sampler shuffles, with the same seed on every rank.
     train_sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True,
                                        seed=args.seed)
-    # drop_last: every batch full (BatchNorm on one image fails in ASPP's pooling branch), and every rank
-    # runs the same number of steps, which DDP needs. Workers are not persistent so that each epoch's
-    # workers see train_set.epoch; augmentation is drawn from (seed, epoch, image index), so no worker
-    # needs seeding of its own and no two workers share random numbers.
-    train_loader = DataLoader(train_set, batch_size=args.batch_size, shuffle=False, sampler=train_sampler,
-                              num_workers=args.workers, pin_memory=use_cuda, drop_last=True)
-    val_loader = DataLoader(Subset(val_set, eval_shard(len(val_set), rank, world_size)), batch_size=1,
-                            num_workers=args.workers, pin_memory=use_cuda)
-    if not args.evaluate and len(train_loader) == 0:
-        fail(f"--batch-size {args.batch_size} is more than a process's share of the "
-             f"{len(train_set)} training images ({len(train_sampler)}): use a smaller batch or fewer processes")
+    # drop_last: every batch full, and every rank runs the same number of steps, which DDP needs.
+    # Workers are not persistent so that each epoch's workers see train_set.epoch: augmentation is drawn
+    # from (seed, epoch, image index), so no worker needs a seed of its own and a resumed run draws the
+    # same augmentation as an uninterrupted one.
+    loader_args = dict(batch_size=args.batch_size, num_workers=args.workers, pin_memory=use_cuda,
+                       worker_init_fn=ignore_sigint)
+    train_loader = DataLoader(train_set, shuffle=False, sampler=train_sampler, drop_last=True, **loader_args)
+    val_loader = DataLoader(Subset(val_set, eval_shard(len(val_set), rank, world_size)),
+                            **{**loader_args, "batch_size": 1})
+    steps_per_epoch = len(train_loader)
+    if not args.evaluate and steps_per_epoch == 0:
+        fail(f"--batch-size {args.batch_size} is more than a process's share of the {len(train_set)} training "
+             f"images ({len(train_sampler)} with {world_size} processes): use a smaller batch or fewer processes")
 
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum,
                                 weight_decay=args.weight_decay)
-    total_steps = max(1, args.epochs * len(train_loader))
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: (1 - min(step, total_steps - 1) / total_steps) ** 0.9)
     # float16 needs loss scaling against underflow; bfloat16 has float32's range and needs none.
     scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
 
-    os.makedirs(args.output_dir, exist_ok=True)
-    os.makedirs(os.path.join(args.output_dir, "vis"), exist_ok=True)
     checkpoint_path = os.path.join(args.output_dir, "checkpoint.pth")
-    resume = args.resume
-    if resume == "auto":
-        resume = checkpoint_path if os.path.isfile(checkpoint_path) else ""
-        log(f"resuming from {resume}" if resume else f"no checkpoint in {args.output_dir}: starting afresh")
-    best_miou, start_epoch = float("-inf"), args.start_epoch
-    if resume:
-        if not os.path.isfile(resume):
-            fail(f"--resume {resume}: no such file")
-        # map_location="cpu": otherwise every rank loads onto the GPU the checkpoint was saved from
-        # (rank 0's), and that GPU holds a copy per rank. weights_only=True: a checkpoint is data, not code.
-        checkpoint = torch.load(resume, map_location="cpu", weights_only=True)
-        model_without_ddp.load_state_dict(checkpoint["model"])
-        if not args.evaluate:
-            optimizer.load_state_dict(checkpoint["optimizer"])
-            scheduler.load_state_dict(checkpoint["scheduler"])
-            if checkpoint["scaler"] and scaler.is_enabled():  # empty when saved without --amp fp16
-                scaler.load_state_dict(checkpoint["scaler"])
-            start_epoch = checkpoint["epoch"] + 1
-            best_miou = checkpoint["best_miou"]
-        log(f"loaded {resume} (epoch {checkpoint['epoch']}, best mIoU {checkpoint['best_miou']:.4f})")
-
-    save_dir = args.save_predictions
-    if save_dir is not None:
-        os.makedirs(save_dir, exist_ok=True)
-        if is_main_process() and any(not n.endswith("_pred_labelIds.png") for n in os.listdir(save_dir)):
-            log(f"warning: {save_dir} holds other files; the official evaluation wants only predictions there")
-
-    if args.evaluate:
-        start = time.time()
-        confusion, sample = evaluate(model_without_ddp, val_loader, device, args.amp, save_dir)
-        miou, iou = iou_from_confusion(confusion)
-        print_iou_table(miou, iou)
-        if is_main_process():
-            result = {"miou": miou, "iou": {n: (None if math.isnan(v) else v) for n, v in zip(CLASS_NAMES, iou.tolist())},
-                      "num_images": int(sum(len(eval_shard(len(val_set), r, world_size)) for r in range(world_size))),
-                      "checkpoint": resume, "eval_time_s": time.time() - start}
-            with open(os.path.join(args.output_dir, "eval.json"), "w") as f:
-                json.dump(result, f, indent=1)
-            save_picture(os.path.join(args.output_dir, "vis", "eval.png"), sample)
-            log(f"wrote {os.path.join(args.output_dir, 'eval.json')}"
-                + (f" and predictions to {save_dir}" if save_dir else ""))
-        if distributed:
-            dist.destroy_process_group()
+    metrics_path = os.path.join(args.output_dir, "metrics.jsonl")
+    best_miou, start_epoch, start_step, epoch_loss_sum = float("-inf"), args.start_epoch, 0, 0.0
+    resume = ""
+    if args.resume:
+        checkpoint, resume = find_checkpoint(args.resume, args.output_dir)
+        if checkpoint is not None:
+            load_model_state(model_without_ddp, checkpoint, resume, args.model)
+            if not args.evaluate:
+                optimizer.load_state_dict(checkpoint["optimizer"])
+                if checkpoint["scaler"] and scaler.is_enabled():  # empty when saved without --amp fp16
+                    scaler.load_state_dict(checkpoint["scaler"])
+                start_epoch, start_step = checkpoint["epoch"], checkpoint["step"]
+                best_miou, epoch_loss_sum = checkpoint["best_miou"], checkpoint["epoch_loss_sum"]
+                before = (checkpoint["world_size"], checkpoint["batch_size"])
+                if before != (world_size, args.batch_size) and start_step:
+                    # Another order of images: finish the epoch from the same number of images seen.
+                    start_step = start_step * before[0] * before[1] // (world_size * args.batch_size)
+                if before != (world_size, args.batch_size):
+                    log(f"note: the checkpoint was trained with {before[0]} process(es) x {before[1]} images; "
+                        f"this run has {world_size} x {args.batch_size}. It continues at the same epoch and "
+                        "learning-rate position, but not bitwise as an uninterrupted run would")
+            where = f"epoch {checkpoint['epoch']}" + (f" step {checkpoint['step']}" if checkpoint["step"] else "")
+            log(f"resuming from {resume} at {where}, best mIoU {checkpoint['best_miou']:.4f}")
+    if args.check_only:
         return
 
-    log(f"training {args.model} on {len(train_set)} images ({len(train_loader)} steps/epoch), "
-        f"epochs {start_epoch}..{args.epochs - 1}, evaluating on {len(val_set)}")
-    for epoch in range(start_epoch, args.epochs):
-        # Step 4 (continued): the tutorial never calls set_epoch. The sampler seeds its shuffle with
-        # seed + epoch; without this call every epoch visits the images in the same order.
-        train_sampler.set_epoch(epoch)
-        train_set.epoch = epoch
-        epoch_start = time.time()
-        train_loss, lr, images_per_s = train_one_epoch(model, optimizer, scheduler, scaler, train_loader,
-                                                   device, epoch, args)
-        sync_buffers(model_without_ddp)
-        eval_start = time.time()
-        last = epoch == args.epochs - 1
-        confusion, sample = evaluate(model_without_ddp, val_loader, device, args.amp,
-                                     save_dir if last else None)
-        eval_time = time.time() - eval_start
-        miou, iou = iou_from_confusion(confusion)
-        print_iou_table(miou, iou)
-        is_best = miou > best_miou
-        best_miou = max(miou, best_miou)
-        if is_main_process():
-            # Only global rank 0 writes: several ranks writing one file corrupt it.
-            state = {"model": model_without_ddp.state_dict(), "optimizer": optimizer.state_dict(),
-                     "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(), "epoch": epoch,
-                     "best_miou": best_miou, "args": vars(args)}  # vars(): weights_only can load a dict
-            save_checkpoint(state, checkpoint_path)
-            if is_best:
-                save_checkpoint(state, os.path.join(args.output_dir, "best.pth"))
-            picture = os.path.join(args.output_dir, "vis", f"epoch_{epoch:03d}.png")
-            save_picture(picture, sample)
-            record = {"epoch": epoch, "train_loss": train_loss, "lr": lr,
-                      "miou": miou, "iou": {n: (None if math.isnan(v) else v)
-                                            for n, v in zip(CLASS_NAMES, iou.tolist())},
-                      "train_img_per_s": images_per_s, "epoch_time_s": time.time() - epoch_start,
-                      "eval_time_s": eval_time, "world_size": world_size}
-            with open(os.path.join(args.output_dir, "metrics.jsonl"), "a") as f:
-                f.write(json.dumps(record) + "\n")
-            log(f"epoch {epoch}: train loss {train_loss:.4f}, {images_per_s:.1f} img/s, mIoU {miou:.4f} "
-                f"(best {best_miou:.4f}); saved {checkpoint_path} and {picture}")
-    log(f"done: best mIoU {best_miou:.4f}. Checkpoints in {args.output_dir}/ (checkpoint.pth, best.pth), "
-        f"pictures in {args.output_dir}/vis/, metrics in {args.output_dir}/metrics.jsonl")
+    save_dir = args.save_predictions
+    if is_main_process():
+        os.makedirs(os.path.join(args.output_dir, "vis"), exist_ok=True)
+        if save_dir is not None:
+            os.makedirs(save_dir, exist_ok=True)
+            if any(not name.endswith("_pred_labelIds.png") for name in os.listdir(save_dir)):
+                log(f"warning: {save_dir} holds other files; the official evaluation wants only predictions there")
+    if distributed:
+        dist.barrier()  # the folders exist before any rank writes into them
+
+    # SIGTERM (a scheduler's preemption, torchrun passing one on) or SIGINT (Ctrl-C): finish the step,
+    # agree with the other ranks, save where we are, exit 0. A second signal exits at once.
+    signal.signal(signal.SIGTERM, _on_signal)
+    signal.signal(signal.SIGINT, _on_signal)
+    progress = {"step": start_epoch * steps_per_epoch + start_step}
+    store = start_heartbeat(progress) if distributed else None
+
+    try:
+        if args.evaluate:
+            start = time.time()
+            confusion, sample = evaluate(model_without_ddp, val_loader, device, args.amp, save_dir)
+            miou, iou = iou_from_confusion(confusion)
+            print_iou_table(miou, iou)
+            if is_main_process():
+                result = {"miou": miou, "iou": iou_dict(iou), "num_images": len(val_set),  # each once
+                          "checkpoint": resume, "eval_time_s": time.time() - start}
+                with open(os.path.join(args.output_dir, "eval.json"), "w") as f:
+                    json.dump(result, f, indent=1)
+                save_picture(os.path.join(args.output_dir, "vis", "eval.png"), sample)
+                log(f"wrote {os.path.join(args.output_dir, 'eval.json')}"
+                    + (f" and predictions to {save_dir}" if save_dir else ""))
+        else:
+            if is_main_process():
+                metrics_before(metrics_path, start_epoch)
+            log(f"training {args.model} on {len(train_set)} images ({steps_per_epoch} steps/epoch), epochs "
+                f"{start_epoch}..{args.epochs - 1}, evaluating on {len(val_set)}")
+            for epoch in range(start_epoch, args.epochs):
+                # Step 4 (continued): the tutorial never calls set_epoch. The sampler seeds its shuffle with
+                # seed + epoch; without this call every epoch visits the images in the same order.
+                train_sampler.set_epoch(epoch)
+                train_set.epoch = epoch
+                loader = train_loader
+                if start_step:  # a resumed epoch: only the batches it has not seen, in the same order
+                    loader = DataLoader(train_set, sampler=list(train_sampler)[start_step * args.batch_size:],
+                                        drop_last=True, **loader_args)
+                epoch_start = time.time()
+                loss_sum, steps_done, lr, images_per_s, stopped = train_one_epoch(
+                    model, optimizer, scaler, loader, device, epoch, start_step, steps_per_epoch, args, progress)
+                if stopped == "nonfinite":
+                    fail(f"the loss became NaN or infinite in epoch {epoch}: stopped without saving; "
+                         f"{checkpoint_path if os.path.isfile(checkpoint_path) else 'no checkpoint'} is the last "
+                         "good one. Try a lower --lr, or --amp bf16 instead of fp16")
+                epoch_loss_sum += loss_sum
+                sync_buffers(model_without_ddp)
+                state = {"model": model_without_ddp.state_dict(), "optimizer": optimizer.state_dict(),
+                         "scaler": scaler.state_dict(), "best_miou": best_miou, "args": vars(args),
+                         "world_size": world_size, "batch_size": args.batch_size}  # vars(): loads weights_only
+                if stopped == "signal":
+                    position = start_step + steps_done
+                    if is_main_process():
+                        save_checkpoint({**state, "epoch": epoch, "step": position, "epoch_loss_sum": epoch_loss_sum},
+                                        checkpoint_path, keep_previous=True)
+                    log(f"stopped by signal {stop_signal() or 'on another rank'} at epoch {epoch} step "
+                        f"{position}/{steps_per_epoch}; saved {checkpoint_path}. "
+                        "Resume with the same command and --resume auto")
+                    break
+                eval_start = time.time()
+                last = epoch == args.epochs - 1
+                confusion, sample = evaluate(model_without_ddp, val_loader, device, args.amp,
+                                             save_dir if last else None)
+                eval_time = time.time() - eval_start
+                miou, iou = iou_from_confusion(confusion)
+                print_iou_table(miou, iou)
+                is_best = miou > best_miou
+                best_miou = max(miou, best_miou)
+                train_loss = epoch_loss_sum / (steps_per_epoch * world_size)
+                if is_main_process():
+                    # Only global rank 0 writes: several ranks writing one file corrupt it.
+                    state.update(best_miou=best_miou, epoch=epoch + 1, step=0, epoch_loss_sum=0.0)
+                    save_checkpoint(state, checkpoint_path, keep_previous=True)
+                    if is_best:
+                        save_checkpoint(state, os.path.join(args.output_dir, "best.pth"))
+                    picture = os.path.join(args.output_dir, "vis", f"epoch_{epoch:03d}.png")
+                    save_picture(picture, sample)
+                    record = {"epoch": epoch, "train_loss": train_loss, "lr": lr, "miou": miou, "iou": iou_dict(iou),
+                              "train_img_per_s": images_per_s, "epoch_time_s": time.time() - epoch_start,
+                              "eval_time_s": eval_time, "world_size": world_size}
+                    with open(metrics_path, "a") as f:
+                        f.write(json.dumps(record) + "\n")
+                    log(f"epoch {epoch}: train loss {train_loss:.4f}, {images_per_s:.1f} img/s, mIoU {miou:.4f} "
+                        f"(best {best_miou:.4f}); saved {checkpoint_path} and {picture}")
+                start_step, epoch_loss_sum = 0, 0.0
+                if agree(stop_signal() is not None, device):  # a signal during evaluation: stop here
+                    log(f"stopped by signal after epoch {epoch}; saved {checkpoint_path}. "
+                        "Resume with the same command and --resume auto")
+                    break
+            else:
+                log(f"done: best mIoU {best_miou:.4f}. Checkpoints in {args.output_dir}/ (checkpoint.pth, "
+                    f"best.pth), pictures in {args.output_dir}/vis/, metrics in {metrics_path}")
+    except BadInput as error:  # a bad file found when read; the DataLoader wraps the message in a traceback
+        fail(str(error).rstrip().splitlines()[-1].split("BadInput: ", 1)[-1])
+    except RuntimeError as error:
+        if not (distributed and is_communication_error(error)):
+            raise
+        # Every rank that sees it says so: rank 0 may be the one that is gone.
+        print(f"main.py: error: rank {rank}: a collective failed or waited more than --dist-timeout "
+              f"{args.dist_timeout:g} min ({str(error).splitlines()[0][:120]}). {describe_peers(store, world_size)}. "
+              f"The last checkpoint: {checkpoint_path}; restart with --resume auto", file=sys.stderr, flush=True)
+        os._exit(1)  # not sys.exit: tearing down a broken process group can hang
     if distributed:
         dist.destroy_process_group()  # without it NCCL warns of leaked resources at exit
 

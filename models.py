@@ -98,6 +98,17 @@ def _backbone(name, output_stride, pretrained):
     raise ValueError(f"unknown backbone {name!r}; choose from {', '.join(BACKBONES)}")
 
 
+class _PoolingBatchNorm(nn.BatchNorm2d):
+    """BatchNorm that, given a single value per channel in training, normalises with its running
+    statistics (as in evaluation) instead of failing. With two or more values it is plain BatchNorm.
+    Under SyncBatchNorm it is converted like any BatchNorm: batch statistics over all GPUs' images."""
+
+    def forward(self, x):
+        if self.training and x.shape[0] * x.shape[2] * x.shape[3] == 1:
+            return F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias, False, 0.0, self.eps)
+        return super().forward(x)
+
+
 class DeepLab(nn.Module):
     """DeepLabV3 (plus=False) or DeepLabV3+ (plus=True) for semantic segmentation.
 
@@ -111,6 +122,10 @@ class DeepLab(nn.Module):
         # Atrous rates scale with the output stride: (6, 12, 18) at 16, doubled at 8 (DeepLabV3 paper).
         rates = (6, 12, 18) if output_stride == 16 else (12, 24, 36)
         self.aspp = ASPP(channels, rates, out_channels=256)
+        # ASPP's image-pooling branch normalises a 1x1 map: with one image in the batch, training-mode
+        # BatchNorm has one value per channel and raises. That BatchNorm uses its running statistics then.
+        pooling = self.aspp.convs[-1]
+        pooling[2] = _PoolingBatchNorm(pooling[2].num_features)
         if plus:
             self.low_level = _conv_bn_relu(low_channels, 48, 1)
             self.decoder = nn.Sequential(_conv_bn_relu(256 + 48, 256, 3), _conv_bn_relu(256, 256, 3))

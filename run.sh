@@ -6,6 +6,7 @@
 #   NPROC=4 ./run.sh                                   # on a CPU: 4 gloo processes (default 2)
 #   DATA=/datasets/cityscapes OUTPUT_DIR=runs/r101 ./run.sh
 #   NNODES=2 NODE_RANK=0 MASTER_ADDR=10.0.0.1 MASTER_PORT=29500 ./run.sh   # on node 0; NODE_RANK=1 on node 1
+#   MAX_RESTARTS=3 ./run.sh                            # torchrun restarts failed workers; they resume
 #
 # With no Cityscapes in DATA it writes a synthetic set once (data/cityscapes_synthetic) and trains a
 # demo sized for a laptop CPU: a few minutes on 2 cores.
@@ -58,6 +59,37 @@ if [ "$NNODES" -gt 1 ]; then
 else
   LAUNCH=(--standalone)  # a free port on this machine, no rendezvous server to set up
 fi
+MAIN=(main.py --data "$DATA" --output-dir "$OUTPUT_DIR" "${ARGS[@]}" "$@")
+
+# Check the arguments, the data and any --resume in one plain process first: a mistake ends here with one
+# line, instead of in every worker, in torchrun's report, and again in each of torchrun's restarts.
+"$PYTHON" "${MAIN[@]}" --check-only "$(( NPROC * NNODES ))" || exit $?
+
 echo "run.sh: $NPROC process(es) on this node, $NNODES node(s), data $DATA, output $OUTPUT_DIR"
-exec "$PYTHON" -m torch.distributed.run "${LAUNCH[@]}" --nproc_per_node "$NPROC" \
-  main.py --data "$DATA" --output-dir "$OUTPUT_DIR" "${ARGS[@]}" "$@"
+# torchrun restarts all workers when one fails (MAX_RESTARTS times); main.py then resumes by itself from
+# the last checkpoint. It runs in a session of its own so that a Ctrl-C reaches run.sh alone, which
+# passes it on to the workers: they finish the step, save, and exit 0, and so does torchrun. A second
+# Ctrl-C or SIGTERM stops torchrun and its workers at once.
+# Workers get a store of their own for each attempt: when they share torchrun's rendezvous store, a
+# restarted worker can read the previous attempt's addresses and fail to connect (pytorch/pytorch#135712).
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+setsid "$PYTHON" -m torch.distributed.run "${LAUNCH[@]}" --nproc_per_node "$NPROC" \
+  --max-restarts "${MAX_RESTARTS:-3}" "${MAIN[@]}" &
+LAUNCHER=$!
+SIGNALS=0
+forward() {
+  SIGNALS=$(( SIGNALS + 1 ))
+  if [ "$SIGNALS" -eq 1 ]; then
+    echo "run.sh: got SIG$1: the workers save a checkpoint at the end of this step and stop (again to stop at once)"
+    pkill "-$1" -P "$LAUNCHER" || true   # torchrun's children: the workers
+  else
+    kill -TERM "$LAUNCHER" 2>/dev/null || true
+  fi
+}
+trap 'forward TERM' TERM
+trap 'forward INT' INT
+while :; do
+  STATUS=0; wait "$LAUNCHER" || STATUS=$?   # (not a bare wait: set -e would end run.sh here)
+  kill -0 "$LAUNCHER" 2>/dev/null || break   # wait returns early when a signal arrives
+done
+exit "$STATUS"

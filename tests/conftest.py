@@ -1,4 +1,5 @@
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -13,6 +14,31 @@ from dataset import write_synthetic  # noqa: E402
 # Tiny everything: 64x32 images, a MobileNet DeepLab, one thread per process.
 TRAIN_ARGS = ["--model", "deeplabv3plus_mobilenet_v3_large", "--crop-size", "32", "-b", "2", "-j", "0",
               "--pretrained-backbone", "none", "-p", "1"]
+
+
+def processes_mentioning(text):
+    """PIDs of processes whose command line contains text (a test's own folder)."""
+    pids = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if text.encode() in f.read() and int(pid) != os.getpid():
+                    pids.append(int(pid))
+        except OSError:
+            pass
+    return pids
+
+
+@pytest.fixture(autouse=True)
+def no_process_left_behind(tmp_path):
+    """run.sh starts torchrun in a session of its own: a test that fails or times out must not leave it,
+    or its workers, running into the next tests."""
+    yield
+    for pid in processes_mentioning(str(tmp_path)):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 @pytest.fixture(scope="session")

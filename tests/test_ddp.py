@@ -1,7 +1,6 @@
 """DDP properties, on real gloo process groups (torch.multiprocessing, one thread per process)."""
 import argparse
 import copy
-import os
 
 import pytest
 import torch
@@ -38,17 +37,16 @@ def _tiny_model(seed=0):
 # --- after several DDP steps every parameter and buffer is identical on every rank -----------------
 
 def _train_steps(rank, world_size, tmp, data):
-    args = argparse.Namespace(amp=None, print_freq=1000, epochs=2, batch_size=2)
+    args = argparse.Namespace(amp=None, print_freq=1000, epochs=2, batch_size=2, lr=0.05, seed=0)
     model = DDP(_tiny_model(), gradient_as_bucket_view=True)
     train_set = Cityscapes(data, "train", crop_size=(32, 32))
     sampler = DistributedSampler(train_set, shuffle=True, seed=0)
     loader = DataLoader(train_set, batch_size=2, sampler=sampler, drop_last=True)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-4)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     scaler = torch.amp.GradScaler("cpu", enabled=False)
     for epoch in range(2):  # 2 epochs x 2 steps, each rank on its own images
         sampler.set_epoch(epoch)
-        main.train_one_epoch(model, optimizer, scheduler, scaler, loader, torch.device("cpu"), epoch, args)
+        main.train_one_epoch(model, optimizer, scaler, loader, torch.device("cpu"), epoch, 0, len(loader), args)
     torch.save({"params": {k: v.clone() for k, v in model.module.named_parameters()},
                 "buffers_before_sync": {k: v.clone() for k, v in model.module.named_buffers()}},
                f"{tmp}/before_{rank}.pt")

@@ -99,22 +99,3 @@ def test_run_sh_without_data_writes_synthetic_set_and_trains(tmp_path):
     assert "no Cityscapes in" in log
     assert os.path.isdir(os.path.join(synthetic, "leftImg8bit", "val"))
     assert [r["epoch"] for r in _metrics(out)] == [0]
-
-
-def test_user_errors_end_with_one_clear_line(tmp_path, tiny_data):
-    import subprocess
-    cases = [
-        (["--data", str(tmp_path / "nowhere")], "not found"),
-        (["--data", tiny_data, "-e"], "--resume"),
-        (["--data", tiny_data, "--resume", str(tmp_path / "none.pth")], "no such file"),
-        (["--data", tiny_data, "-b", "64"], "--batch-size 64"),
-        (["--data", tiny_data, "--amp", "fp16"], "--amp fp16 needs CUDA"),
-    ]
-    for argv, message in cases:
-        result = subprocess.run([PY, "main.py", *argv, "--output-dir", str(tmp_path / "o"), "-j", "0",
-                                 "--model", "deeplabv3plus_mobilenet_v3_large"],
-                                cwd=os.path.dirname(main.__file__), capture_output=True, text=True,
-                                env={**os.environ, "CUDA_VISIBLE_DEVICES": ""}, timeout=120)
-        assert result.returncode != 0
-        assert message in result.stdout + result.stderr, (argv, result.stdout, result.stderr)
-        assert "Traceback" not in result.stderr, (argv, result.stderr)

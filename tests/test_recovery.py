@@ -1,0 +1,350 @@
+"""Nothing lost: exact resume, preemption, a killed or hung rank, bad checkpoints, a diverging loss.
+Each runs main.py as a user would (run.sh or plain processes), on the CPU with gloo."""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from conftest import ROOT, TRAIN_ARGS, free_port, run
+from dataset import write_synthetic
+
+PY = sys.executable
+CPU_ENV = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+# Crops of 64 make a step slow enough (about 0.15 s) to signal a run in the middle of an epoch.
+SLOW_ARGS = [a if a != "32" else "64" for a in TRAIN_ARGS]
+
+
+@pytest.fixture(scope="module")
+def data24(tmp_path_factory):
+    """24 train images: 6 steps an epoch with 2 processes of 2 images."""
+    root = str(tmp_path_factory.mktemp("data24"))
+    write_synthetic(root, num_train=24, num_val=3, size=(64, 32), seed=4)
+    return root
+
+
+@pytest.fixture(scope="module")
+def straight(data24, tmp_path_factory):
+    """The reference: 2 epochs without interruption."""
+    out = str(tmp_path_factory.mktemp("straight"))
+    run(["./run.sh", "--epochs", "2", *SLOW_ARGS], env=_env(data24, out))
+    return out
+
+
+def _env(data, out, **extra):
+    return {"DATA": data, "OUTPUT_DIR": out, "NPROC": "2", "MASTER_PORT": str(free_port()), **extra}
+
+
+def _metrics(out):
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def _checkpoint(out, name="checkpoint.pth"):
+    return torch.load(os.path.join(out, name), map_location="cpu", weights_only=True)
+
+
+def _assert_same_weights(out_a, out_b):
+    a, b = _checkpoint(out_a)["model"], _checkpoint(out_b)["model"]
+    assert a.keys() == b.keys()
+    different = [k for k in a if not torch.equal(a[k], b[k])]
+    assert not different, f"{len(different)} tensors differ, e.g. {different[:3]}"
+
+
+def _start(command, env):
+    return subprocess.Popen(command, cwd=ROOT, env={**CPU_ENV, **env}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def _wait_for(process, text, timeout=120):
+    """Read process output until a line contains text; return what was read."""
+    seen, deadline = [], time.time() + timeout
+    for line in process.stdout:
+        seen.append(line)
+        if text in line:
+            return "".join(seen)
+        assert time.time() < deadline, "".join(seen)
+    raise AssertionError(f"{text!r} never appeared:\n{''.join(seen)}")
+
+
+def _workers(out):
+    """PIDs of the main.py workers (not torchrun, not run.sh's check) writing to out."""
+    pids = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:
+            continue
+        if b"main.py" in argv and out.encode() in argv and not any(b"torch.distributed.run" in a for a in argv) \
+                and b"--check-only" not in argv:
+            pids.append(int(pid))
+    return pids
+
+
+def test_resume_at_epoch_boundary_is_bitwise_identical(data24, straight, tmp_path):
+    # A job of --epochs 2 that ended after epoch 0 leaves what the straight run left then: its previous
+    # checkpoint (epoch 0 done) and epoch 0's metrics.
+    out = str(tmp_path / "out")
+    os.makedirs(out)
+    shutil.copy(os.path.join(straight, "checkpoint.prev.pth"), os.path.join(out, "checkpoint.pth"))
+    with open(os.path.join(straight, "metrics.jsonl")) as f, open(os.path.join(out, "metrics.jsonl"), "w") as g:
+        g.write(f.readline())
+    assert _checkpoint(out)["epoch"] == 1 and _checkpoint(out)["step"] == 0
+    log = run(["./run.sh", "--epochs", "2", "--resume", "auto", *SLOW_ARGS], env=_env(data24, out))
+    assert "resuming from" in log and "at epoch 1" in log
+    _assert_same_weights(straight, out)
+    for mine, reference in zip(_metrics(out), _metrics(straight), strict=True):
+        for key in ("epoch", "train_loss", "lr", "miou", "iou"):
+            assert mine[key] == reference[key], key
+
+
+def test_preempted_mid_epoch_resumes_at_next_batch_and_matches(data24, straight, tmp_path):
+    out = str(tmp_path / "out")
+    env = _env(data24, out)
+    # SIGTERM to one worker (as a scheduler might send): every rank stops at the same step, rank 0 saves.
+    process = _start(["./run.sh", "--epochs", "2", *SLOW_ARGS], env)
+    _wait_for(process, "epoch 0 step 2/6")
+    os.kill(max(_workers(out)), signal.SIGTERM)
+    log = process.communicate(timeout=120)[0]
+    assert process.returncode == 0, log
+    assert "stopped by signal" in log and "--resume auto" in log
+    first = _checkpoint(out)
+    assert first["epoch"] == 0 and 2 <= first["step"] < 6, log
+    assert not os.path.exists(os.path.join(out, "metrics.jsonl"))  # no epoch finished yet
+
+    # SIGINT (Ctrl-C) to run.sh, the launcher: it passes it on; all exit 0.
+    process = _start(["./run.sh", "--epochs", "2", "--resume", "auto", *SLOW_ARGS], {**env, "MASTER_PORT": str(free_port())})
+    log = _wait_for(process, f"epoch 0 step {first['step'] + 1}/6")  # the next unseen batch, not step 1
+    assert "epoch 0 step 1/6" not in log
+    _wait_for(process, "epoch 1 step 2/6")
+    process.send_signal(signal.SIGINT)
+    log = process.communicate(timeout=120)[0]
+    assert process.returncode == 0, log
+    second = _checkpoint(out)
+    assert second["epoch"] == 1 and 2 <= second["step"] < 6, log
+
+    log = run(["./run.sh", "--epochs", "2", "--resume", "auto", *SLOW_ARGS], env={**env, "MASTER_PORT": str(free_port())})
+    assert f"epoch 1 step {second['step'] + 1}/6" in log
+    _assert_same_weights(straight, out)  # two interruptions, the same weights as no interruption
+    for mine, reference in zip(_metrics(out), _metrics(straight), strict=True):
+        assert mine["miou"] == reference["miou"] and mine["lr"] == reference["lr"]
+        assert mine["train_loss"] == pytest.approx(reference["train_loss"], rel=1e-6)  # summed in two parts
+
+
+def test_second_signal_exits_at_once(data24, tmp_path):
+    # Crops of 512: a step of about 2 s, so the second signal comes before the first is acted on.
+    slow = [a if a != "32" else "512" for a in TRAIN_ARGS]
+    process = _start([PY, "main.py", "--data", data24, "--output-dir", str(tmp_path), "--epochs", "50", *slow], {})
+    _wait_for(process, "step 1/")
+    process.send_signal(signal.SIGTERM)
+    time.sleep(1.2)  # a repeat within a second counts as the same signal (a launcher passing it on)
+    process.send_signal(signal.SIGTERM)
+    log = process.communicate(timeout=60)[0]
+    assert process.returncode == -signal.SIGTERM, log
+    assert not os.path.exists(os.path.join(tmp_path, "checkpoint.pth"))
+
+
+def test_resume_with_another_number_of_processes(tiny_data, tmp_path):
+    out = str(tmp_path / "out")
+    run(["./run.sh", "--epochs", "1", *TRAIN_ARGS], env=_env(tiny_data, out))  # 2 processes: 2 steps/epoch
+    log = run([PY, "main.py", "--data", tiny_data, "--output-dir", out, "--epochs", "2", "--resume", "auto",
+               *TRAIN_ARGS])  # 1 process: 4 steps/epoch
+    assert "trained with 2 process(es)" in log and "not bitwise" in log
+    records = _metrics(out)
+    assert [r["epoch"] for r in records] == [0, 1] and records[1]["world_size"] == 1
+    # The schedule continues at its position: epoch 1's last step is step 7 of 8.
+    assert records[1]["lr"] == pytest.approx(0.01 * (1 - 7 / 8) ** 0.9)
+
+
+def test_torchrun_restarts_a_killed_worker_and_the_run_finishes(data24, tmp_path):
+    out = str(tmp_path / "out")
+    process = _start(["./run.sh", "--epochs", "3", *SLOW_ARGS], _env(data24, out, MAX_RESTARTS="2"))
+    _wait_for(process, "epoch 1 step 2/6")
+    os.kill(min(_workers(out)), signal.SIGKILL)
+    log = process.communicate(timeout=180)[0]
+    assert process.returncode == 0, log
+    assert "restart 1 by torchrun" in log, log
+    assert [r["epoch"] for r in _metrics(out)] == [0, 1, 2]  # each epoch once, none lost
+    assert _checkpoint(out)["epoch"] == 3  # the final checkpoint is after the last epoch
+
+
+def test_a_hung_peer_ends_the_job_naming_the_rank(data24, tmp_path):
+    port, out = str(free_port()), str(tmp_path / "out")
+    processes = []
+    for rank in range(2):
+        env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "RANK": str(rank), "WORLD_SIZE": "2",
+               "LOCAL_RANK": str(rank)}
+        processes.append(_start([PY, "main.py", "--data", data24, "--output-dir", out, "--epochs", "5",
+                                 "--dist-timeout", "0.15", *SLOW_ARGS], env))
+    try:
+        _wait_for(processes[0], "step 2/")
+        processes[1].send_signal(signal.SIGSTOP)  # alive, but answers nothing: a hang
+        start = time.time()
+        log = processes[0].communicate(timeout=60)[0]
+        assert time.time() - start < 40  # the 9 s timeout, not forever
+        assert processes[0].returncode != 0
+        assert "rank 1 silent" in log and "--resume auto" in log, log
+    finally:
+        processes[1].kill()
+        processes[1].communicate()
+
+
+def test_bad_checkpoints_get_one_clear_line_and_auto_falls_back(tiny_data, tmp_path):
+    out = str(tmp_path / "out")
+    run(["./run.sh", "--epochs", "2", *TRAIN_ARGS], env=_env(tiny_data, out))
+    path = os.path.join(out, "checkpoint.pth")
+    assert _checkpoint(out, "checkpoint.prev.pth")["epoch"] == 1  # the one before is kept
+
+    shutil.copy(path, tmp_path / "good.pth")
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 2)
+    result = _fails([PY, "main.py", "--data", tiny_data, "--output-dir", out, "-e", "--resume", path, *TRAIN_ARGS])
+    assert path in result and "truncated" in result
+    log = run([PY, "main.py", "--data", tiny_data, "--output-dir", out, "--epochs", "2", "--resume", "auto",
+               *TRAIN_ARGS])
+    assert f"{path} cannot be read" in log and "checkpoint.prev.pth at epoch 1" in log
+
+    result = _fails([PY, "main.py", "--data", tiny_data, "--output-dir", out, "-e", "--resume",
+                     str(tmp_path / "good.pth"), *TRAIN_ARGS, "--model", "deeplabv3_mobilenet_v3_large"])
+    assert "holds a deeplabv3plus_mobilenet_v3_large model" in result and "--model" in result
+    checkpoint = torch.load(tmp_path / "good.pth", weights_only=True)  # as if trained on 21 classes
+    checkpoint["model"]["classifier.weight"] = torch.zeros(21, 256, 1, 1)
+    checkpoint["args"].pop("model")
+    torch.save(checkpoint, tmp_path / "other.pth")
+    result = _fails([PY, "main.py", "--data", tiny_data, "--output-dir", out, "-e", "--resume",
+                     str(tmp_path / "other.pth"), *TRAIN_ARGS])
+    assert "does not fit" in result and "classifier.weight (21, 256, 1, 1) vs (19, 256, 1, 1)" in result
+
+
+def test_a_diverging_loss_stops_and_keeps_the_last_good_checkpoint(tiny_data, tmp_path):
+    out = str(tmp_path / "out")
+    run([PY, "main.py", "--data", tiny_data, "--output-dir", out, "--epochs", "1", *TRAIN_ARGS])
+    with open(os.path.join(out, "checkpoint.pth"), "rb") as f:
+        good = f.read()
+    result = _fails([PY, "main.py", "--data", tiny_data, "--output-dir", out, "--epochs", "3", "--resume", "auto",
+                     *TRAIN_ARGS, "--lr", "1e38"])
+    assert "NaN or infinite" in result and "checkpoint.pth is the last good one" in result
+    with open(os.path.join(out, "checkpoint.pth"), "rb") as f:
+        assert f.read() == good
+
+
+def _fails(command, env=None):
+    """Run a command that must fail with one clear line and no traceback; return its output."""
+    result = subprocess.run(command, cwd=ROOT, env={**CPU_ENV, **(env or {})}, capture_output=True, text=True,
+                            timeout=180)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0, output
+    assert "Traceback" not in output, output
+    errors = [line for line in output.splitlines() if "error:" in line]
+    assert len(errors) == 1, output
+    return errors[0]
+
+
+def _copy_data(source, tmp_path):
+    target = str(tmp_path / "data")
+    shutil.copytree(source, target)
+    return target
+
+
+def _some(root, split, kind):
+    folder = os.path.join(root, "leftImg8bit" if kind == "image" else "gtFine", split)
+    city = sorted(os.listdir(folder))[0]
+    name = sorted(n for n in os.listdir(os.path.join(folder, city)) if n.endswith(("leftImg8bit.png", "labelIds.png")))[0]
+    return os.path.join(folder, city, name)
+
+
+def _fails_in_process(argv, capsys):
+    """main.main() on argv must end with SystemExit(1) and one 'error:' line; return that line."""
+    import main
+    with pytest.raises(SystemExit) as exit_info:
+        main.main(main.get_args_parser().parse_args(argv))
+    assert exit_info.value.code == 1
+    captured = capsys.readouterr()
+    errors = [line for line in (captured.out + captured.err).splitlines() if "error:" in line]
+    assert len(errors) == 1, captured
+    return errors[0]
+
+
+@pytest.mark.parametrize("case", ["missing folder", "no val images", "image without label", "label without image",
+                                  "undecodable header", "label size", "more ranks than val images",
+                                  "batch larger than a share", "sync-bn on cpu", "fp16 on cpu", "bad crop",
+                                  "evaluate without resume", "missing resume"])
+def test_bad_input_found_before_training_with_one_clear_line(case, tiny_data, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the CPU's rules, also on a GPU machine
+    data = _copy_data(tiny_data, tmp_path)
+    args = ["--check-only", "2"]
+    if case == "missing folder":
+        data, expect = str(tmp_path / "nowhere"), "not found"
+    elif case == "no val images":
+        shutil.rmtree(os.path.join(data, "leftImg8bit", "val"))
+        os.makedirs(os.path.join(data, "leftImg8bit", "val", "lindau"))
+        expect = "holds no *_leftImg8bit.png"
+    elif case == "image without label":
+        os.remove(_some(data, "train", "label"))
+        expect = "have no label file"
+    elif case == "label without image":
+        os.remove(_some(data, "val", "image"))
+        expect = "have no image"
+    elif case == "undecodable header":
+        with open(_some(data, "train", "image"), "r+b") as f:
+            f.truncate(10)
+        expect = "cannot be read as an image"
+    elif case == "label size":
+        from PIL import Image
+        Image.new("L", (10, 10)).save(_some(data, "val", "label"))
+        expect = "is 10x10 but its image is 64x32"
+    elif case == "more ranks than val images":
+        args, expect = ["--check-only", "6"], "6 processes but only 5 val images"
+    elif case == "batch larger than a share":
+        args, expect = args + ["-b", "8"], "--batch-size 8 is more than a process's share"
+    elif case == "sync-bn on cpu":
+        args, expect = args + ["--sync-bn"], "--sync-bn needs CUDA"
+    elif case == "fp16 on cpu":
+        args, expect = args + ["--amp", "fp16"], "--amp fp16 needs CUDA"
+    elif case == "bad crop":
+        args, expect = args + ["--crop-size", "1", "2", "3"], "--crop-size 1 2 3"
+    elif case == "evaluate without resume":
+        args, expect = args + ["-e"], "give it --resume PATH"
+    else:
+        args, expect = args + ["--resume", str(tmp_path / "none.pth")], "none.pth: no such file"
+    out = str(tmp_path / "out")
+    os.makedirs(out)
+    with open(os.path.join(out, "checkpoint.pth"), "wb") as f:
+        f.write(b"a good checkpoint")
+    line = _fails_in_process(["--data", data, "--output-dir", out, *TRAIN_ARGS, *args], capsys)
+    assert expect in line, line
+    with open(os.path.join(out, "checkpoint.pth"), "rb") as f:
+        assert f.read() == b"a good checkpoint"  # untouched
+
+
+@pytest.mark.parametrize("case", ["truncated image", "label values"])
+def test_bad_file_found_when_read_names_it(case, tiny_data, tmp_path):
+    data = _copy_data(tiny_data, tmp_path)
+    if case == "truncated image":
+        path = _some(data, "train", "image")
+        with open(path, "r+b") as f:  # the header is whole, the pixels are not
+            f.truncate(os.path.getsize(path) // 2)
+    else:
+        from PIL import Image
+        path = _some(data, "train", "label")
+        Image.new("L", (64, 32), 200).save(path)
+    # -j 1: the error comes from a DataLoader worker, which wraps it in a traceback of its own.
+    line = _fails([PY, "main.py", "--data", data, "--output-dir", str(tmp_path / "out"), "--epochs", "1",
+                   *TRAIN_ARGS, "-j", "1"])
+    assert path in line, line
+
+
+def test_run_sh_stops_a_mistake_before_torchrun_with_one_line(tiny_data, tmp_path):
+    result = subprocess.run(["./run.sh", *TRAIN_ARGS, "--amp", "fp16"], cwd=ROOT, capture_output=True, text=True,
+                            env={**CPU_ENV, **_env(tiny_data, str(tmp_path / "out"))}, timeout=120)
+    output = result.stdout + result.stderr
+    assert result.returncode == 1 and "Traceback" not in output and "torch.distributed" not in output, output
+    assert [line for line in output.splitlines() if "error:" in line] == [
+        "main.py: error: --amp fp16 needs CUDA; on the CPU use --amp bf16 or no --amp"]
