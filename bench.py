@@ -1,18 +1,67 @@
-"""Measure, side by side in one run, and print ratios.
+"""Measure, side by side in one run, and print ratios against their targets.
 
+    python bench.py              # the CPU: DDP scaling, loop overhead, data pipeline, memory, evaluation
     python bench.py --gpu        # one GPU: DeepLabV3+ ResNet-101, crop 768, batch 8, per precision/layout
 
 Each configuration runs the same model, batch and step (forward, cross-entropy, backward, SGD) on
 random images; the first steps (and torch.compile's compilation) are left out of the timing.
 """
 import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
 import time
 
+import numpy as np
 import torch
+from PIL import Image
+from torchvision import tv_tensors
+from torchvision.transforms import v2
+
+import dataset
 
 import main
 from dataset import NUM_CLASSES
 from models import build_model
+
+
+def _rate(fn, seconds):
+    """Calls per second of fn, run for about `seconds` after one warm-up call."""
+    fn()
+    count, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        fn()
+        count += 1
+    return count / (time.perf_counter() - start)
+
+
+def bench_data(root, seconds):
+    """Images per second per worker: our training transform against resize-the-whole-image-then-crop
+    (torchvision's segmentation reference), both from the PNG files to normalised tensors, crop 768."""
+    ours = dataset.Cityscapes(root, "train", crop_size=(768, 768))
+    reference_transform = v2.Compose([
+        v2.RandomResize(512, 2048),  # the shorter side 1024 times 0.5-2.0, the whole image
+        v2.RandomCrop(768, pad_if_needed=True, fill={tv_tensors.Image: 0, tv_tensors.Mask: 255}),
+        v2.RandomHorizontalFlip(), v2.ToDtype({tv_tensors.Image: torch.float32, "others": None}, scale=True),
+        v2.Normalize(dataset.MEAN, dataset.STD)])
+    counter = {"i": 0}
+
+    def reference():
+        i = counter["i"] = (counter["i"] + 1) % len(ours)
+        with Image.open(ours.images[i]) as f:
+            image = tv_tensors.Image(torch.from_numpy(np.array(f.convert("RGB"))).permute(2, 0, 1))
+        with Image.open(ours.targets[i][0]) as f:
+            label = tv_tensors.Mask(dataset.ID_TO_TRAINID[torch.from_numpy(np.array(f)).long()][None])
+        reference_transform(image, label)
+
+    def mine():
+        counter["i"] = (counter["i"] + 1) % len(ours)
+        ours[counter["i"]]
+
+    theirs, ours_rate = _rate(reference, seconds), _rate(mine, seconds)
+    return ours_rate, theirs
 
 
 def gpu_step_rate(dtype, channels_last, compile_model, batch, crop, steps, warmup):

@@ -70,3 +70,16 @@ def test_train_transform_pads_label_with_ignore_and_keeps_pairs_aligned():
         agree = (out_image[0][~pad].float() / 30).round() == out_label[0][~pad].float()
         assert agree.float().mean() > 0.8  # only the blurred stripe edges may differ
     assert padded > 0  # a scale below 1 happened and was padded
+
+
+def test_persistent_workers_see_the_epoch_and_augmentation_depends_only_on_it(tiny_data):
+    train_set = Cityscapes(tiny_data, "train", crop_size=(32, 32), seed=7)
+    loader = torch.utils.data.DataLoader(train_set, batch_size=4, num_workers=2, persistent_workers=True)
+    batches = {}
+    for epoch in (0, 1, 0):
+        train_set.epoch = epoch
+        batches.setdefault(epoch, []).append(torch.cat([images for images, _ in loader]))
+    assert torch.equal(batches[0][0], batches[0][1])  # the same epoch draws the same crops, any worker
+    assert not torch.equal(batches[0][0], batches[1][0])  # the workers saw the new epoch
+    train_set.epoch = 0  # and what the workers drew is what this process draws for epoch 0
+    assert torch.equal(torch.stack([train_set[i][0] for i in range(len(train_set))]), batches[0][0])
