@@ -26,6 +26,8 @@ import main
 from dataset import NUM_CLASSES
 from models import build_model
 
+HERE = os.path.dirname(os.path.abspath(__file__))
+
 
 def _rate(fn, seconds):
     """Calls per second of fn, run for about `seconds` after one warm-up call."""
@@ -64,6 +66,156 @@ def bench_data(root, seconds):
     return ours_rate, theirs
 
 
+# --- the CPU: DDP scaling and loop overhead ----------------------------------------------------------------
+MODEL = "deeplabv3plus_mobilenet_v3_large"
+
+
+def _batch(batch, size):
+    generator = torch.Generator().manual_seed(0)
+    return (torch.randn(batch, 3, *size, generator=generator),
+            torch.randint(0, dataset.NUM_CLASSES, (batch, *size), generator=generator))
+
+
+def _scaling_worker(rank, world_size, mode, batch, size, steps, warmup, port, result_file):
+    """One process of a scaling run: mode "ddp" (DDP as main.py wraps it) or "alone" (no communication)."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = build_model(MODEL, dataset.NUM_CLASSES).train()
+    if mode == "ddp":
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+        model = DDP(model, gradient_as_bucket_view=True)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=1e-4)
+    images, labels = _batch(batch, size)
+    for step in range(warmup + steps):
+        if step == warmup:
+            start = time.perf_counter()
+        loss = main.criterion(model(images), labels)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+    elapsed = time.perf_counter() - start
+    if mode == "ddp":
+        dist.destroy_process_group()
+    with open(f"{result_file}.{rank}", "w") as f:
+        f.write(str(elapsed))
+
+
+def scaling_rate(world_size, mode, batch, size, steps, warmup):
+    """Global training images per second of world_size processes, one thread each."""
+    import torch.multiprocessing as mp
+    with tempfile.TemporaryDirectory() as tmp:
+        result = os.path.join(tmp, "elapsed")
+        mp.spawn(_scaling_worker, args=(world_size, mode, batch, size, steps, warmup, _free_port(), result),
+                 nprocs=world_size, join=True)
+        slowest = max(float(open(f"{result}.{r}").read()) for r in range(world_size))
+    return world_size * batch * steps / slowest
+
+
+def _free_port():
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def loop_overhead(batch, size, steps, rounds=2):
+    """main.train_one_epoch's step against a bare forward, backward and SGD step: same model, batch and
+    thread, in one process; alternated, the fastest round of each kept."""
+    torch.set_num_threads(1)
+    images, labels = _batch(batch, size)
+    loader = [(images, labels)] * steps
+    args = argparse.Namespace(amp=None, print_freq=10, epochs=1, batch_size=batch, lr=0.01, seed=0,
+                              channels_last=False)
+    bare, ours = [], []
+    for _ in range(rounds):
+        for kind in ("bare", "main"):
+            torch.manual_seed(0)
+            model = build_model(MODEL, dataset.NUM_CLASSES).train()
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=1e-4)
+            scaler = torch.amp.GradScaler("cpu", enabled=False)
+            for _ in range(2):  # warm-up
+                main.criterion(model(images), labels).backward()
+            start = time.perf_counter()
+            if kind == "bare":
+                for images_, labels_ in loader:
+                    loss = main.criterion(model(images_), labels_.long())
+                    optimizer.zero_grad(set_to_none=True)
+                    loss.backward()
+                    optimizer.step()
+                bare.append(time.perf_counter() - start)
+            else:
+                main.train_one_epoch(model, optimizer, scaler, loader, torch.device("cpu"), 0, 0, steps, args)
+                ours.append(time.perf_counter() - start)
+    return min(ours) / min(bare) - 1, min(bare) / steps
+
+
+# --- the CPU: memory of each rank, evaluation time -----------------------------------------------------------
+def run_main(nproc, argv, env):
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    command = (launcher if nproc > 1 else [sys.executable]) + [os.path.join(HERE, "main.py"), *argv]
+    result = subprocess.run(command, env=env, capture_output=True, text=True)
+    if result.returncode:
+        raise SystemExit(f"bench.py: main.py failed:\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}")
+
+
+def bench_cpu(quick):
+    print(f"CPU: {os.cpu_count()} cores, torch {torch.__version__}, model {MODEL}, one thread per process")
+    rows = []  # (what, measured, target, met)
+    batch, size = (2, (64, 64)) if quick else (4, (128, 256))
+    steps, warmup = (2, 1) if quick else (10, 3)
+
+    one = scaling_rate(1, "alone", batch, size, steps, warmup)
+    alone = scaling_rate(2, "alone", batch, size, steps, warmup)
+    ddp = scaling_rate(2, "ddp", batch, size, steps, warmup)
+    print(f"1. DDP scaling, batch {batch} per process at {size[0]}x{size[1]}: 1 process {one:.2f} img/s; "
+          f"2 without communication {alone:.2f} ({alone / one / 2:.3f}); 2 with DDP {ddp:.2f}")
+    rows.append(("DDP scaling efficiency, 2 gloo processes vs 1", f"{ddp / one / 2:.3f}", ">= 0.95", ddp / one / 2 >= 0.95))
+
+    overhead, step_s = loop_overhead(batch, size, steps)
+    print(f"2. loop overhead: bare step {step_s * 1000:.0f} ms; main.py's train_one_epoch {overhead * 100:+.2f}%")
+    rows.append(("main.py's step vs a bare step", f"{overhead * 100:+.2f}%", "<= 2%", overhead <= 0.02))
+
+    with tempfile.TemporaryDirectory() as tmp:
+        full = os.path.join(tmp, "full")
+        dataset.write_synthetic(full, num_train=2 if quick else 6, num_val=1, size=(2048, 1024), seed=1)
+        torch.set_num_threads(1)
+        ours, reference = bench_data(full, 1 if quick else 6)
+        print(f"3. data, 2048x1024 PNG to a 768 crop, per worker: ours {ours:.1f} img/s, resize-then-crop "
+              f"{reference:.1f} img/s (synthetic PNGs: decoding them takes most of either)")
+        rows.append(("data pipeline vs resize-then-crop", f"{ours / reference:.2f}x", ">= 1.7x", ours / reference >= 1.7))
+
+        data = os.path.join(tmp, "data")
+        size_wh = (256, 128) if quick else (1024, 512)
+        dataset.write_synthetic(data, num_train=16 if quick else 48, num_val=6 if quick else 24, size=size_wh, seed=2)
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+        out = os.path.join(tmp, "out")
+        common = ["--data", data, "--model", MODEL, "--crop-size", "64" if quick else "256", "-b", "2" if quick else "4",
+                  "-j", "0", "-p", "100", "--output-dir", out]
+        run_main(2, common + ["--epochs", "2"], env)
+        with open(os.path.join(out, "metrics.jsonl")) as f:
+            memory = json.loads(f.readlines()[-1])["peak_memory_gib"]
+        excess = memory[0] / max(memory[1:]) - 1
+        print(f"4. peak resident memory per rank over 2 epochs of training, evaluation and rank 0's checkpoints: "
+              + ", ".join(f"rank {r} {m:.3f} GiB" for r, m in enumerate(memory)))
+        rows.append(("rank 0's peak memory over the others'", f"{excess * 100:+.1f}%", "<= 5%", excess <= 0.05))
+
+        times = {}
+        for nproc in (1, 2):
+            run_main(nproc, common + ["-e", "--resume", os.path.join(out, "checkpoint.pth")], env)
+            with open(os.path.join(out, "eval.json")) as f:
+                times[nproc] = json.load(f)["eval_time_s"]
+        print(f"5. evaluation of {6 if quick else 24} val images at {size_wh[0]}x{size_wh[1]}: 1 process "
+              f"{times[1]:.2f} s, 2 processes {times[2]:.2f} s (speed-up {times[1] / times[2]:.2f}x)")
+        rows.append(("evaluation speed-up, 2 processes vs 1", f"{times[1] / times[2]:.2f}x", "(reported)", None))
+
+    print(f"\n{'measure':<46} {'measured':>9} {'target':>9}  met")
+    for what, measured, target, met in rows:
+        print(f"{what:<46} {measured:>9} {target:>9}  {'-' if met is None else 'yes' if met else 'NO'}")
+
+
+# --- one GPU ----------------------------------------------------------------------------------------------------
 def gpu_step_rate(dtype, channels_last, compile_model, batch, crop, steps, warmup):
     torch.manual_seed(0)
     model = build_model("deeplabv3plus_resnet101", NUM_CLASSES).cuda().train()
@@ -116,6 +268,7 @@ def bench_gpu(batch, crop, steps, warmup):
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--gpu", action="store_true", help="the single-GPU precision/layout table")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes: checks that it runs, not timings")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--crop", type=int, default=768)
     parser.add_argument("--steps", type=int, default=20)
@@ -125,3 +278,5 @@ if __name__ == "__main__":
         if not torch.cuda.is_available():
             raise SystemExit("bench.py --gpu: no CUDA device visible")
         bench_gpu(args.batch, args.crop, args.steps, args.warmup)
+    else:
+        bench_cpu(args.quick)

@@ -663,6 +663,11 @@ def main(args):
                 eval_time = time.time() - eval_start
                 miou, iou = iou_from_confusion(confusion)
                 print_iou_table(miou, iou)
+                # Every rank's peak memory so far (GPU: allocated; CPU: resident), to see that rank 0 carries
+                # no more than the others, as DataParallel's first GPU did.
+                peak_memory = torch.zeros(world_size, device=device)
+                peak_memory[rank] = peak_memory_gib(device)
+                peak_memory = all_reduce_sum(peak_memory).tolist()
                 is_best = miou > best_miou
                 best_miou = max(miou, best_miou)
                 train_loss = epoch_loss_sum / (steps_per_epoch * world_size)
@@ -676,7 +681,7 @@ def main(args):
                     save_picture(picture, sample)
                     record = {"epoch": epoch, "train_loss": train_loss, "lr": lr, "miou": miou, "iou": iou_dict(iou),
                               "train_img_per_s": images_per_s, "epoch_time_s": time.time() - epoch_start,
-                              "eval_time_s": eval_time, "world_size": world_size}
+                              "eval_time_s": eval_time, "world_size": world_size, "peak_memory_gib": peak_memory}
                     with open(metrics_path, "a") as f:
                         f.write(json.dumps(record) + "\n")
                     log(f"epoch {epoch}: train loss {train_loss:.4f}, {images_per_s:.1f} img/s, mIoU {miou:.4f} "

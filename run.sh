@@ -55,7 +55,10 @@ else
 fi
 
 if [ "$NNODES" -gt 1 ]; then
-  LAUNCH=(--nnodes "$NNODES" --node_rank "$NODE_RANK" --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT")
+  # torchrun's c10d rendezvous: the node at MASTER_ADDR hosts it at MASTER_PORT; every node runs this same
+  # line. OUTPUT_DIR must be on a filesystem all nodes share: rank 0 writes, every rank reads to resume.
+  LAUNCH=(--nnodes "$NNODES" --node-rank "$NODE_RANK" --rdzv-backend c10d
+          --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv-id "${RDZV_ID:-deeplab}")
 else
   LAUNCH=(--standalone)  # a free port on this machine, no rendezvous server to set up
 fi

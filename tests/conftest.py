@@ -61,3 +61,24 @@ def run(command, env=None, timeout=240):
     result = subprocess.run(command, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
     assert result.returncode == 0, f"{command} exited {result.returncode}:\n{result.stdout}\n{result.stderr}"
     return result.stdout + result.stderr
+
+
+# Crops of 64 make a step slow enough (about 0.15 s) to signal a run in the middle of an epoch.
+SLOW_ARGS = [a if a != "32" else "64" for a in TRAIN_ARGS]
+
+
+@pytest.fixture(scope="session")
+def data24(tmp_path_factory):
+    """24 train images: 6 steps an epoch with 2 processes of 2 images."""
+    root = str(tmp_path_factory.mktemp("data24"))
+    write_synthetic(root, num_train=24, num_val=3, size=(64, 32), seed=4)
+    return root
+
+
+@pytest.fixture(scope="session")
+def straight(data24, tmp_path_factory):
+    """The reference: 2 epochs, 2 processes on one node, without interruption."""
+    out = str(tmp_path_factory.mktemp("straight"))
+    run(["./run.sh", "--epochs", "2", *SLOW_ARGS],
+        env={"DATA": data24, "OUTPUT_DIR": out, "NPROC": "2", "MASTER_PORT": str(free_port())})
+    return out

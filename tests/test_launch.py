@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from conftest import TRAIN_ARGS, free_port, run
+from conftest import SLOW_ARGS, TRAIN_ARGS, free_port, run
 import main
 
 PY = sys.executable
@@ -99,3 +99,27 @@ def test_run_sh_without_data_writes_synthetic_set_and_trains(tmp_path):
     assert "no Cityscapes in" in log
     assert os.path.isdir(os.path.join(synthetic, "leftImg8bit", "val"))
     assert [r["epoch"] for r in _metrics(out)] == [0]
+
+
+def test_two_nodes_train_together_and_match_one_node(data24, straight, tmp_path):
+    """run.sh's multi-node form: two launchers on this machine, each a node with one gloo worker, meet at
+    the c10d rendezvous and produce bitwise the checkpoint of one node with two processes."""
+    import subprocess
+    import torch
+    out = str(tmp_path / "out")
+    port = str(free_port())
+    nodes = []
+    for node_rank in (0, 1):
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "DATA": data24, "OUTPUT_DIR": out,
+               "NPROC": "1", "NNODES": "2", "NODE_RANK": str(node_rank), "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": port, "RDZV_ID": f"test{port}"}
+        nodes.append(subprocess.Popen(["./run.sh", "--epochs", "2", *SLOW_ARGS], cwd=os.path.dirname(main.__file__),
+                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    logs = [node.communicate(timeout=240)[0] for node in nodes]
+    assert all(node.returncode == 0 for node in nodes), logs
+    assert "2 process(es), backend gloo" in "".join(logs)
+    mine = torch.load(os.path.join(out, "checkpoint.pth"), weights_only=True)
+    reference = torch.load(os.path.join(straight, "checkpoint.pth"), weights_only=True)
+    assert mine["epoch"] == reference["epoch"] == 2
+    assert all(torch.equal(mine["model"][k], reference["model"][k]) for k in reference["model"])
+    assert [r["miou"] for r in _metrics(out)] == [r["miou"] for r in _metrics(straight)]

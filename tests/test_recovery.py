@@ -11,31 +11,10 @@ import time
 import pytest
 import torch
 
-from conftest import ROOT, TRAIN_ARGS, free_port, run
-from dataset import write_synthetic
+from conftest import ROOT, SLOW_ARGS, TRAIN_ARGS, free_port, run
 
 PY = sys.executable
 CPU_ENV = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-# Crops of 64 make a step slow enough (about 0.15 s) to signal a run in the middle of an epoch.
-SLOW_ARGS = [a if a != "32" else "64" for a in TRAIN_ARGS]
-
-
-@pytest.fixture(scope="module")
-def data24(tmp_path_factory):
-    """24 train images: 6 steps an epoch with 2 processes of 2 images."""
-    root = str(tmp_path_factory.mktemp("data24"))
-    write_synthetic(root, num_train=24, num_val=3, size=(64, 32), seed=4)
-    return root
-
-
-@pytest.fixture(scope="module")
-def straight(data24, tmp_path_factory):
-    """The reference: 2 epochs without interruption."""
-    out = str(tmp_path_factory.mktemp("straight"))
-    run(["./run.sh", "--epochs", "2", *SLOW_ARGS], env=_env(data24, out))
-    return out
-
-
 def _env(data, out, **extra):
     return {"DATA": data, "OUTPUT_DIR": out, "NPROC": "2", "MASTER_PORT": str(free_port()), **extra}
 
@@ -150,16 +129,17 @@ def test_second_signal_exits_at_once(data24, tmp_path):
     assert not os.path.exists(os.path.join(tmp_path, "checkpoint.pth"))
 
 
-def test_resume_with_another_number_of_processes(tiny_data, tmp_path):
-    out = str(tmp_path / "out")
-    run(["./run.sh", "--epochs", "1", *TRAIN_ARGS], env=_env(tiny_data, out))  # 2 processes: 2 steps/epoch
-    log = run([PY, "main.py", "--data", tiny_data, "--output-dir", out, "--epochs", "2", "--resume", "auto",
-               *TRAIN_ARGS])  # 1 process: 4 steps/epoch
+def test_resume_with_another_number_of_processes(data24, straight, tmp_path):
+    out = str(tmp_path / "out")  # epoch 0 done by 2 processes: 6 steps an epoch
+    os.makedirs(out)
+    shutil.copy(os.path.join(straight, "checkpoint.prev.pth"), os.path.join(out, "checkpoint.pth"))
+    log = run([PY, "main.py", "--data", data24, "--output-dir", out, "--epochs", "2", "--resume", "auto",
+               *SLOW_ARGS])  # 1 process: 12 steps an epoch
     assert "trained with 2 process(es)" in log and "not bitwise" in log
     records = _metrics(out)
-    assert [r["epoch"] for r in records] == [0, 1] and records[1]["world_size"] == 1
-    # The schedule continues at its position: epoch 1's last step is step 7 of 8.
-    assert records[1]["lr"] == pytest.approx(0.01 * (1 - 7 / 8) ** 0.9)
+    assert [r["epoch"] for r in records] == [1] and records[0]["world_size"] == 1
+    # The schedule continues at its position: epoch 1's last step is step 23 of 24.
+    assert records[0]["lr"] == pytest.approx(0.01 * (1 - 23 / 24) ** 0.9)
 
 
 def test_torchrun_restarts_a_killed_worker_and_the_run_finishes(data24, tmp_path):
@@ -195,9 +175,9 @@ def test_a_hung_peer_ends_the_job_naming_the_rank(data24, tmp_path):
         processes[1].communicate()
 
 
-def test_bad_checkpoints_get_one_clear_line_and_auto_falls_back(tiny_data, tmp_path):
-    out = str(tmp_path / "out")
-    run(["./run.sh", "--epochs", "2", *TRAIN_ARGS], env=_env(tiny_data, out))
+def test_bad_checkpoints_get_one_clear_line_and_auto_falls_back(data24, straight, tmp_path):
+    tiny_data, out = data24, str(tmp_path / "out")
+    shutil.copytree(straight, out)
     path = os.path.join(out, "checkpoint.pth")
     assert _checkpoint(out, "checkpoint.prev.pth")["epoch"] == 1  # the one before is kept
 
