@@ -29,7 +29,7 @@ DATA=$T/small OUTPUT_DIR=$T/o4 ./run.sh "${R[@]}" --crop-size 256 -b 1 --epochs 
 echo "== 6. preemption on the GPU: SIGTERM to run.sh mid-epoch, exit 0, then resume to the end"
 DATA=$T/small OUTPUT_DIR=$T/o5 ./run.sh "${R[@]}" --crop-size 256 -b 2 --epochs 2 -p 1 > "$T/o5.log" 2>&1 &
 RUN=$!
-until grep -q "epoch 0 step 3/" "$T/o5.log" 2>/dev/null; do sleep 0.2; done
+for _ in $(seq 600); do grep -q "epoch 0 step 3/" "$T/o5.log" 2>/dev/null && break; sleep 0.2; done
 kill -TERM $RUN; STATUS=0; wait $RUN || STATUS=$?
 grep -E "stopped by signal|error" "$T/o5.log"; echo "run.sh exit status after SIGTERM: $STATUS"; [ "$STATUS" -eq 0 ]
 DATA=$T/small OUTPUT_DIR=$T/o5 ./run.sh "${R[@]}" --crop-size 256 -b 2 --epochs 2 -p 100 --resume auto 2>&1 | grep -E "resuming|^epoch [0-9]:|done|error"
