@@ -516,8 +516,8 @@ def main(args):
     except (ValueError, FileNotFoundError, RuntimeError) as error:
         fail(error)
     channels_last = args.channels_last if args.channels_last is not None else use_cuda
-    memory_format = torch.channels_last if channels_last else torch.contiguous_format
-    model.to(device, memory_format=memory_format)
+    args.channels_last = channels_last  # resolved: train_one_epoch reads it, the checkpoint records it
+    model.to(device, memory_format=torch.channels_last if channels_last else torch.contiguous_format)
     if use_cuda:
         torch.backends.cudnn.benchmark = True  # crops and val images have fixed sizes: time kernels once
     sync_bn = args.sync_bn if args.sync_bn is not None else (use_cuda and world_size > 1)
@@ -540,7 +540,6 @@ def main(args):
 
     # Step 4: DistributedSampler gives each rank its own part of the training set, so the DataLoader
     # must not shuffle (shuffle=False): the sampler shuffles, with the same seed on every rank.
-    args.channels_last = channels_last  # resolved; train_one_epoch reads it
     train_sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True,
                                        seed=args.seed)
     # drop_last: every batch full, and every rank runs the same number of steps, which DDP needs.
