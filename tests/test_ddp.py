@@ -154,3 +154,23 @@ def test_loss_ignores_255_and_is_finite_on_an_all_ignored_crop():
     labels[0, 0, 0] = 3
     expected = torch.nn.functional.cross_entropy(logits[:, :, 0, 0], labels[:, 0, 0])
     assert main.criterion(logits, labels).item() == pytest.approx(expected.item(), rel=1e-6)
+
+
+def test_a_failed_checkpoint_write_leaves_the_previous_one_whole(tmp_path):
+    path = str(tmp_path / "checkpoint.pth")
+    main.save_checkpoint({"model": {"w": torch.ones(3)}, "epoch": 1}, path, keep_previous=True)
+    main.save_checkpoint({"model": {"w": torch.full((3,), 2.0)}, "epoch": 2}, path, keep_previous=True)
+    with pytest.raises(Exception):  # dies half-way through writing: a lambda cannot be saved
+        main.save_checkpoint({"model": {"w": torch.zeros(1000)}, "epoch": 3, "bad": lambda: 0}, path,
+                             keep_previous=True)
+    assert torch.load(path, weights_only=True)["epoch"] == 2
+    assert torch.load(str(tmp_path / "checkpoint.prev.pth"), weights_only=True)["epoch"] == 1
+
+
+def test_one_image_per_process_trains_with_aspp_pooling_batchnorm():
+    model = _tiny_model().train()  # one image: ASPP's pooling branch has one value per channel
+    loss = main.criterion(model(torch.randn(1, 3, 64, 64)), torch.randint(0, NUM_CLASSES, (1, 64, 64)))
+    loss.backward()
+    assert torch.isfinite(loss)
+    with pytest.raises(ValueError):  # what plain BatchNorm does there, and what the model avoids
+        torch.nn.BatchNorm2d(4).train()(torch.randn(1, 4, 1, 1))
