@@ -1,7 +1,8 @@
 """Measure, side by side in one run, and print ratios against their targets.
 
     python bench.py              # the CPU: DDP scaling, loop overhead, data pipeline, memory, evaluation
-    python bench.py --gpu        # one GPU: DeepLabV3+ ResNet-101, crop 768, batch 8, per precision/layout
+    python bench.py --gpu        # one GPU: DeepLabV3+ ResNet-101, crop 768, batch 8, per precision/layout;
+                                 # with 2 or more GPUs also DataParallel against DDP, throughput and memory
 
 Each configuration runs the same model, batch and step (forward, cross-entropy, backward, SGD) on
 random images; the first steps (and torch.compile's compilation) are left out of the timing.
@@ -197,7 +198,7 @@ def bench_cpu(quick):
         with open(os.path.join(out, "metrics.jsonl")) as f:
             memory = json.loads(f.readlines()[-1])["peak_memory_gib"]
         excess = memory[0] / max(memory[1:]) - 1
-        print(f"4. peak resident memory per rank over 2 epochs of training, evaluation and rank 0's checkpoints: "
+        print("4. peak resident memory per rank over 2 epochs of training, evaluation and rank 0's checkpoints: "
               + ", ".join(f"rank {r} {m:.3f} GiB" for r, m in enumerate(memory)))
         rows.append(("rank 0's peak memory over the others'", f"{excess * 100:+.1f}%", "<= 5%", excess <= 0.05))
 
@@ -244,10 +245,7 @@ def gpu_step_rate(dtype, channels_last, compile_model, batch, crop, steps, warmu
         step()
     torch.cuda.synchronize()
     elapsed = time.time() - start
-    peak = torch.cuda.max_memory_allocated() / 2**30
-    del model, optimizer, forward
-    torch.cuda.empty_cache()
-    return batch * steps / elapsed, peak, warmup_s
+    return batch * steps / elapsed, torch.cuda.max_memory_allocated() / 2**30, warmup_s
 
 
 def bench_gpu(batch, crop, steps, warmup):
@@ -261,8 +259,78 @@ def bench_gpu(batch, crop, steps, warmup):
     print(f"{'configuration':<32} {'img/s':>8} {'x fp32':>7} {'peak GiB':>9} {'warm-up s':>10}")
     for name, dtype, channels_last, compile_model in configs:
         rate, peak, warmup_s = gpu_step_rate(dtype, channels_last, compile_model, batch, crop, steps, warmup)
+        torch.cuda.empty_cache()  # the last configuration's model is gone with its function's frame
         base = base or rate
         print(f"{name:<32} {rate:8.1f} {rate / base:7.2f} {peak:9.2f} {warmup_s:10.1f}", flush=True)
+
+
+def _ddp_gpu_worker(rank, world_size, batch, crop, steps, warmup, port, result_file):
+    """One process per GPU, as main.py runs: NCCL, SyncBatchNorm, DDP, bf16 autocast, channels_last."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    torch.backends.cudnn.benchmark = True
+    torch.manual_seed(0)
+    model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(build_model("deeplabv3plus_resnet101", dataset.NUM_CLASSES))
+    model = DDP(model.cuda().to(memory_format=torch.channels_last), device_ids=[rank], gradient_as_bucket_view=True)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=1e-4)
+    images = torch.randn(batch, 3, crop, crop, device="cuda").contiguous(memory_format=torch.channels_last)
+    labels = torch.randint(0, dataset.NUM_CLASSES, (batch, crop, crop), device="cuda")
+    for step in range(warmup + steps):
+        if step == warmup:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            start = time.perf_counter()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = main.criterion(model(images), labels)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+    torch.cuda.synchronize()
+    elapsed = time.perf_counter() - start
+    with open(f"{result_file}.{rank}", "w") as f:
+        json.dump([elapsed, torch.cuda.max_memory_allocated() / 2**30], f)
+    dist.destroy_process_group()
+
+
+def bench_dp_vs_ddp(batch, crop, steps, warmup):
+    """The tutorial's claim, measured: DataParallel (one process, the batch scattered over the GPUs, the
+    outputs gathered and the loss computed on GPU 0) against DDP (a process per GPU), batch per GPU equal."""
+    import torch.multiprocessing as mp
+    gpus = torch.cuda.device_count()
+    torch.backends.cudnn.benchmark = True
+    torch.manual_seed(0)
+    model = torch.nn.DataParallel(build_model("deeplabv3plus_resnet101", dataset.NUM_CLASSES).cuda()
+                                  .to(memory_format=torch.channels_last))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=1e-4)
+    images = torch.randn(batch * gpus, 3, crop, crop, device="cuda").contiguous(memory_format=torch.channels_last)
+    labels = torch.randint(0, dataset.NUM_CLASSES, (batch * gpus, crop, crop), device="cuda")
+    for step in range(warmup + steps):
+        if step == warmup:
+            torch.cuda.synchronize()
+            for gpu in range(gpus):
+                torch.cuda.reset_peak_memory_stats(gpu)
+            start = time.perf_counter()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = main.criterion(model(images), labels)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+    torch.cuda.synchronize()
+    dp_rate = batch * gpus * steps / (time.perf_counter() - start)
+    dp_memory = [torch.cuda.max_memory_allocated(gpu) / 2**30 for gpu in range(gpus)]
+    del model, optimizer, images, labels
+    torch.cuda.empty_cache()
+    with tempfile.TemporaryDirectory() as tmp:
+        result = os.path.join(tmp, "ddp")
+        mp.spawn(_ddp_gpu_worker, args=(gpus, batch, crop, steps, warmup, _free_port(), result), nprocs=gpus)
+        runs = [json.load(open(f"{result}.{rank}")) for rank in range(gpus)]
+    ddp_rate = batch * gpus * steps / max(elapsed for elapsed, _ in runs)
+    print(f"\nDataParallel against DDP on {gpus} GPUs, batch {batch} per GPU, crop {crop}, bf16 + channels_last:")
+    print(f"{'':<14} {'img/s':>8} {'x DP':>6}  peak GiB per GPU")
+    for name, rate, memory in (("DataParallel", dp_rate, dp_memory), ("DDP", ddp_rate, [m for _, m in runs])):
+        print(f"{name:<14} {rate:8.1f} {rate / dp_rate:6.2f}  " + " ".join(f"{m:.2f}" for m in memory))
 
 
 if __name__ == "__main__":
@@ -278,5 +346,7 @@ if __name__ == "__main__":
         if not torch.cuda.is_available():
             raise SystemExit("bench.py --gpu: no CUDA device visible")
         bench_gpu(args.batch, args.crop, args.steps, args.warmup)
+        if torch.cuda.device_count() >= 2:
+            bench_dp_vs_ddp(args.batch, args.crop, args.steps, args.warmup)
     else:
         bench_cpu(args.quick)
