@@ -12,8 +12,11 @@ Evaluate a checkpoint, and write predictions for the official Cityscapes evaluat
 
     torchrun --standalone --nproc_per_node=2 main.py -e --resume output/best.pth --save-predictions preds/
 
-The output folder (--output-dir) holds checkpoint.pth (latest), best.pth, metrics.jsonl (one line per
-epoch), eval.json (after -e) and vis/*.png (image | ground truth | prediction).
+Stopped (SIGTERM, Ctrl-C, a crash)? The same command with --resume auto carries on where it stopped.
+
+The output folder (--output-dir) holds checkpoint.pth (latest) and checkpoint.prev.pth (the one before),
+best.pth, metrics.jsonl (one line per epoch), eval.json (after -e) and vis/*.png (image | ground truth |
+prediction).
 """
 import argparse
 import json
