@@ -264,6 +264,27 @@ def bench_gpu(batch, crop, steps, warmup):
         print(f"{name:<32} {rate:8.1f} {rate / base:7.2f} {peak:9.2f} {warmup_s:10.1f}", flush=True)
 
 
+def _timed_bf16_steps(model, batch, crop, steps, warmup, gpus):
+    """Seconds for `steps` SGD steps of model on random bf16 channels_last batches after `warmup` steps;
+    the peak memory of each GPU numbered in `gpus` counts from the first timed step."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=1e-4)
+    images = torch.randn(batch, 3, crop, crop, device="cuda").contiguous(memory_format=torch.channels_last)
+    labels = torch.randint(0, dataset.NUM_CLASSES, (batch, crop, crop), device="cuda")
+    for step in range(warmup + steps):
+        if step == warmup:
+            torch.cuda.synchronize()
+            for gpu in gpus:
+                torch.cuda.reset_peak_memory_stats(gpu)
+            start = time.perf_counter()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = main.criterion(model(images), labels)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+    torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
 def _ddp_gpu_worker(rank, world_size, batch, crop, steps, warmup, port, result_file):
     """One process per GPU, as main.py runs: NCCL, SyncBatchNorm, DDP, bf16 autocast, channels_last."""
     import torch.distributed as dist
@@ -274,21 +295,7 @@ def _ddp_gpu_worker(rank, world_size, batch, crop, steps, warmup, port, result_f
     torch.manual_seed(0)
     model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(build_model("deeplabv3plus_resnet101", dataset.NUM_CLASSES))
     model = DDP(model.cuda().to(memory_format=torch.channels_last), device_ids=[rank], gradient_as_bucket_view=True)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=1e-4)
-    images = torch.randn(batch, 3, crop, crop, device="cuda").contiguous(memory_format=torch.channels_last)
-    labels = torch.randint(0, dataset.NUM_CLASSES, (batch, crop, crop), device="cuda")
-    for step in range(warmup + steps):
-        if step == warmup:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            start = time.perf_counter()
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = main.criterion(model(images), labels)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-    torch.cuda.synchronize()
-    elapsed = time.perf_counter() - start
+    elapsed = _timed_bf16_steps(model, batch, crop, steps, warmup, [rank])
     with open(f"{result_file}.{rank}", "w") as f:
         json.dump([elapsed, torch.cuda.max_memory_allocated() / 2**30], f)
     dist.destroy_process_group()
@@ -303,24 +310,9 @@ def bench_dp_vs_ddp(batch, crop, steps, warmup):
     torch.manual_seed(0)
     model = torch.nn.DataParallel(build_model("deeplabv3plus_resnet101", dataset.NUM_CLASSES).cuda()
                                   .to(memory_format=torch.channels_last))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=1e-4)
-    images = torch.randn(batch * gpus, 3, crop, crop, device="cuda").contiguous(memory_format=torch.channels_last)
-    labels = torch.randint(0, dataset.NUM_CLASSES, (batch * gpus, crop, crop), device="cuda")
-    for step in range(warmup + steps):
-        if step == warmup:
-            torch.cuda.synchronize()
-            for gpu in range(gpus):
-                torch.cuda.reset_peak_memory_stats(gpu)
-            start = time.perf_counter()
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = main.criterion(model(images), labels)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-    torch.cuda.synchronize()
-    dp_rate = batch * gpus * steps / (time.perf_counter() - start)
+    dp_rate = batch * gpus * steps / _timed_bf16_steps(model, batch * gpus, crop, steps, warmup, range(gpus))
     dp_memory = [torch.cuda.max_memory_allocated(gpu) / 2**30 for gpu in range(gpus)]
-    del model, optimizer, images, labels
+    del model
     torch.cuda.empty_cache()
     with tempfile.TemporaryDirectory() as tmp:
         result = os.path.join(tmp, "ddp")
