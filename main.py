@@ -16,16 +16,15 @@ Stopped (SIGTERM, Ctrl-C, a crash)? The same command with --resume auto carries 
 
 The output folder (--output-dir) holds checkpoint.pth (latest) and checkpoint.prev.pth (the one before),
 best.pth, metrics.jsonl (one line per epoch), eval.json (after -e) and vis/*.png (image | ground truth |
-prediction).
+prediction). Surviving faults (signals, a lost peer, checkpoints, one-line errors) lives in recovery.py.
 """
 import argparse
+import contextlib
+import functools
 import json
 import math
 import os
 import resource
-import signal
-import sys
-import threading
 import time
 from datetime import timedelta
 
@@ -36,31 +35,36 @@ import torch.nn.functional as F
 from PIL import Image
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Subset
-from torch.utils.data.distributed import DistributedSampler
 
-from dataset import (CLASS_NAMES, IGNORE_INDEX, MEAN, NUM_CLASSES, STD, TRAINID_TO_ID, BadInput, Cityscapes,
-                     colorize)
+import recovery
+from dataset import CLASS_NAMES, IGNORE_INDEX, MEAN, NUM_CLASSES, STD, TRAINID_TO_ID, BadInput, Cityscapes, colorize
 from models import MODEL_NAMES, build_model
+from recovery import fail, get_rank, get_world_size, is_main_process, log
 
 
 def get_args_parser():
     # The tutorial reads args.lr, args.momentum and args.weight_decay but never defines them. Here every
-    # setting is defined, with pytorch/examples imagenet's names. Defaults: the published Cityscapes
-    # recipe (DeepLabV3+ ResNet-101, output stride 16, crop 768, global batch 16 on 2 GPUs, lr 0.01).
+    # setting is a flag, with pytorch/examples imagenet's names. The defaults are one published recipe,
+    # VainF/DeepLabV3Plus-Pytorch's for Cityscapes (76.2 mIoU on val with DeepLabV3+ ResNet-101, README.md):
+    # torchvision's ImageNet ResNet-101 at output stride 16, crop 768, global batch 16, SGD lr 0.1 (the
+    # backbone at 0.1x), momentum 0.9, weight decay 1e-4, poly(0.9) over 30k iterations.
     parser = argparse.ArgumentParser(description="DDP DeepLab on Cityscapes", allow_abbrev=False)
     parser.add_argument("--data", default="data/cityscapes", help="Cityscapes root (leftImg8bit/, gtFine/)")
     parser.add_argument("--model", default="deeplabv3plus_resnet101", choices=MODEL_NAMES)
     parser.add_argument("--output-stride", type=int, default=16, choices=(8, 16))
-    parser.add_argument("--pretrained-backbone", default=None, metavar="imagenet|PATH",
-                        help="ImageNet backbone weights: 'imagenet' downloads torchvision's, or a local .pth")
+    parser.add_argument("--pretrained-backbone", default="imagenet", metavar="imagenet|PATH|none",
+                        help="backbone weights: torchvision's ImageNet ones (downloaded once), a local .pth, or none")
     parser.add_argument("--crop-size", type=int, nargs="+", default=[768], metavar="N",
                         help="training crop: one number (square) or two (height width)")
-    parser.add_argument("-j", "--workers", type=int, default=4, help="data loading workers per process")
-    parser.add_argument("--epochs", type=int, default=200, help="total epochs (200 x 2975 images ~ 37k "
-                        "iterations at global batch 16)")
+    parser.add_argument("-j", "--workers", type=int, default=None,
+                        help="data loading workers per process (default: this process's share of the cores, less one)")
+    parser.add_argument("--epochs", type=int, default=162, help="total epochs (162 x 185 steps of 16 images: "
+                        "the recipe's 30k iterations)")
     parser.add_argument("--start-epoch", type=int, default=0, help="first epoch (--resume sets it)")
     parser.add_argument("-b", "--batch-size", type=int, default=8, help="images per process per step")
-    parser.add_argument("--lr", type=float, default=0.01, help="initial learning rate, decayed by poly(0.9)")
+    parser.add_argument("--lr", type=float, default=0.1, help="initial learning rate, decayed by poly(0.9)")
+    parser.add_argument("--backbone-lr", type=float, default=0.1, metavar="FACTOR",
+                        help="the backbone's learning rate as a fraction of --lr (pretrained layers move slower)")
     parser.add_argument("--momentum", type=float, default=0.9)
     parser.add_argument("--wd", "--weight-decay", type=float, default=1e-4, dest="weight_decay")
     parser.add_argument("-p", "--print-freq", type=int, default=10, help="print every N steps")
@@ -96,41 +100,18 @@ def get_args_parser():
     return parser
 
 
-def is_main_process():
-    """Global rank 0 (not local rank 0: with several nodes that would be one per node). Before the process
-    group exists, the launcher's RANK says it."""
-    if dist.is_initialized():
-        return dist.get_rank() == 0
-    return int(os.environ.get("RANK", 0)) == 0
-
-
-_QUIET = {"on": False}  # --check-only reports mistakes only
-
-
-def log(*message):
-    if is_main_process() and not _QUIET["on"]:
-        print(*message, flush=True)
-
-
-def fail(message):
-    """A mistake the user can fix: one line, no traceback. Every rank sees the same input and fails too."""
-    if is_main_process():
-        print(f"main.py: error: {message}", file=sys.stderr, flush=True)
-    sys.exit(1)
-
-
 def all_reduce_sum(tensor):
     if dist.is_initialized():
         dist.all_reduce(tensor)
     return tensor
 
 
-def agree(flag, device):
-    """True on every rank if flag is true on any rank. A collective: every rank must call it."""
-    flag = torch.tensor([float(flag)], device=device)
+def agree(*flags, device):
+    """For each flag: True on every rank if it is true on any rank. One collective: every rank must call it."""
+    flags = torch.tensor([float(flag) for flag in flags], device=device)
     if dist.is_initialized():
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return bool(flag.item())
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    return [bool(flag) for flag in flags.tolist()]  # .tolist() waits for the step: a sync point
 
 
 def criterion(logits, labels):
@@ -153,38 +134,41 @@ def seed_step(seed, epoch, step, rank):
 
 
 def adjust_learning_rate(optimizer, base_lr, step, total_steps):
-    """Poly decay, lr = base_lr * (1 - step / total_steps) ** 0.9, set before every step. Computed from
-    the position in training, so a resumed run, even with another number of processes, continues it."""
+    """Poly decay, lr = base_lr * (1 - step / total_steps) ** 0.9, set before every step (times each
+    group's lr_mult). Computed from the position in training, so a resumed run, even with another number
+    of processes, continues it. Returns the head's rate."""
     lr = base_lr * (1 - min(step, total_steps - 1) / total_steps) ** 0.9
     for group in optimizer.param_groups:
-        group["lr"] = lr
+        group["lr"] = lr * group.get("lr_mult", 1.0)
     return lr
 
 
 def train_one_epoch(model, optimizer, scaler, loader, device, epoch, first_step, steps_per_epoch, args,
-                    progress=None):
-    """Train on this rank's shard of one epoch, from step first_step on (a resumed epoch skips the
-    batches it has seen: loader then holds only the rest).
+                    autocast=contextlib.nullcontext, memory_format=torch.contiguous_format):
+    """Train on this rank's shard of one epoch, from step first_step on (a resumed epoch: loader yields
+    only the batches it has not seen).
 
-    Returns (sum over ranks and steps of the loss, steps done, last learning rate, training images per
-    second over all ranks, why it stopped early: None, "signal" or "nonfinite")."""
+    Returns {"loss_sum": over ranks and steps, "steps": done, "lr": the last, "images_per_s": over all ranks,
+    "data_wait": the largest fraction of its time a rank waited for data, "stopped": None, "signal" or
+    "nonfinite"}."""
     model.train()
-    world_size = dist.get_world_size() if dist.is_initialized() else 1
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, None: None}[args.amp]
-    memory_format = torch.channels_last if getattr(args, "channels_last", False) else torch.contiguous_format
+    world_size, rank = get_world_size(), get_rank()
     total_steps = args.epochs * steps_per_epoch
     loss_sum = torch.zeros((), device=device)
     start = window_start = time.time()
-    window_images, step, lr, stopped = 0, first_step - 1, 0.0, None
-    for step, (images, labels) in enumerate(loader, start=first_step):
-        if progress is not None:
-            progress["step"] = epoch * steps_per_epoch + step  # read by the heartbeat thread
+    window_images, data_wait, window_wait, step, lr, stopped = 0, 0.0, 0.0, first_step - 1, 0.0, None
+    batches = iter(loader)
+    for step in range(first_step, steps_per_epoch):
+        waited = time.time()
+        images, labels = next(batches)  # the time spent here is data wait: the GPU has nothing to do
+        waited = time.time() - waited
+        data_wait, window_wait = data_wait + waited, window_wait + waited
+        recovery.note_step(epoch * steps_per_epoch + step)
         seed_step(args.seed, epoch, step, rank)
         lr = adjust_learning_rate(optimizer, args.lr, epoch * steps_per_epoch + step, total_steps)
         images = images.to(device, non_blocking=True, memory_format=memory_format)
         labels = labels.to(device, non_blocking=True).long()
-        with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
+        with autocast():
             loss = criterion(model(images), labels)
         optimizer.zero_grad(set_to_none=True)
         scaler.scale(loss).backward()  # DDP all-reduces (averages) gradients here, bucket by bucket
@@ -192,12 +176,9 @@ def train_one_epoch(model, optimizer, scaler, loader, device, epoch, first_step,
         scaler.update()
         loss_sum += loss.detach()
         window_images += images.shape[0]
-        # All ranks agree, after every step, whether to stop: a signal reached some rank (preemption),
-        # or some rank's loss is NaN or infinite. One small all_reduce; reading it waits for the step.
-        flags = torch.tensor([float(stop_signal() is not None), float(not torch.isfinite(loss))], device=device)
-        if dist.is_initialized():
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        signal_seen, nonfinite = flags.tolist()
+        # All ranks agree, after every step, whether to stop: a signal reached some rank (preemption), or
+        # some rank's loss is NaN or infinite. One small all_reduce.
+        signal_seen, nonfinite = agree(recovery.stop_signal() is not None, not torch.isfinite(loss), device=device)
         if nonfinite:
             stopped = "nonfinite"
             break
@@ -209,16 +190,24 @@ def train_one_epoch(model, optimizer, scaler, loader, device, epoch, first_step,
             seconds_per_step = (now - start) / (step + 1 - first_step)
             eta = seconds_per_step * ((steps_per_epoch - step - 1) + (args.epochs - epoch - 1) * steps_per_epoch)
             log(f"epoch {epoch} step {step + 1}/{steps_per_epoch} loss {mean_loss:.4f} lr {lr:.5f} "
-                f"{images_per_s:.1f} img/s eta {timedelta(seconds=round(eta))} "
-                f"peak mem {peak_memory_gib(device):.2f} GiB")
-            window_start, window_images = now, 0
+                f"{images_per_s:.1f} img/s data {window_wait / (now - window_start):.0%} "
+                f"eta {timedelta(seconds=round(eta))} peak mem {peak_memory_gib(device):.2f} GiB")
+            window_start, window_images, window_wait = now, 0, 0.0
         if signal_seen:
             stopped = "signal"
             break
     steps_done = step + 1 - first_step if stopped != "nonfinite" else step - first_step
-    elapsed = time.time() - start
-    return (all_reduce_sum(loss_sum).item(), steps_done, lr,
-            steps_done * args.batch_size * world_size / max(elapsed, 1e-9), stopped)
+    elapsed = max(time.time() - start, 1e-9)
+    # The epoch's sums over the ranks; the largest data wait; and each rank's peak memory (GPU: allocated,
+    # CPU: resident), to see that rank 0 carries no more than the others, as DataParallel's first GPU did.
+    sums, peaks = torch.zeros(world_size + 1, device=device), torch.zeros(2, device=device)
+    sums[0], sums[1 + rank], peaks[0] = loss_sum, peak_memory_gib(device), data_wait / elapsed
+    if dist.is_initialized():
+        dist.all_reduce(sums)
+        dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
+    return {"loss_sum": sums[0].item(), "steps": steps_done, "lr": lr, "data_wait": peaks[0].item(),
+            "images_per_s": steps_done * args.batch_size * world_size / elapsed, "stopped": stopped,
+            "peak_memory_gib": sums[1:].tolist()}
 
 
 def sync_buffers(model):
@@ -240,20 +229,19 @@ def eval_shard(dataset_size, rank, world_size):
 
 
 @torch.inference_mode()
-def evaluate(model, loader, device, amp=None, save_dir=None):
+def evaluate(model, loader, device, autocast=contextlib.nullcontext, image_ids=None, save_dir=None):
     """Confusion matrix (true class x predicted class) over this rank's val images, summed over all ranks.
 
     Runs on the unwrapped model: DDP's forward would broadcast buffers, a collective that ranks with
     fewer images would never join, and the job would hang. The only collective is the final all_reduce.
+    image_ids: the name of each image the loader yields, in order (batch size 1), for save_dir.
     Returns (confusion, (image, label, prediction) of this rank's first image, for the picture)."""
     model.eval()
-    amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, None: None}[amp]
-    dataset, indices = loader.dataset.dataset, loader.dataset.indices
     confusion = torch.zeros(NUM_CLASSES * NUM_CLASSES, dtype=torch.int64, device=device)
     first = None
-    for position, (images, labels) in enumerate(loader):  # batch size 1, in order: position -> image
+    for position, (images, labels) in enumerate(loader):
         images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True).long()
-        with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
+        with autocast():
             predictions = model(images).argmax(1)  # full resolution: the model upsamples its logits
         labelled = labels != IGNORE_INDEX
         confusion += torch.bincount(labels[labelled] * NUM_CLASSES + predictions[labelled],
@@ -264,8 +252,7 @@ def evaluate(model, loader, device, amp=None, save_dir=None):
             # The official evaluation wants labelIds, not trainIds, one PNG per image, named by image.
             # Each rank writes the files of its own images; no two ranks write the same file.
             label_ids = TRAINID_TO_ID[predictions[0].cpu()].numpy()
-            name = f"{dataset.image_id(indices[position])}_pred_labelIds.png"
-            Image.fromarray(label_ids).save(os.path.join(save_dir, name))
+            Image.fromarray(label_ids).save(os.path.join(save_dir, f"{image_ids[position]}_pred_labelIds.png"))
     all_reduce_sum(confusion)
     return confusion.view(NUM_CLASSES, NUM_CLASSES).cpu(), first
 
@@ -300,168 +287,11 @@ def save_picture(path, sample):
     Image.fromarray(torch.cat([image, colorize(label), colorize(prediction)], dim=1).numpy()).save(path)
 
 
-# --- stopping on a signal ------------------------------------------------------------------------------
-_STOP = {"signal": None, "time": 0.0}
-
-
-def _on_signal(signum, frame):
-    if _STOP["signal"] is None:
-        _STOP["signal"], _STOP["time"] = signum, time.time()
-    elif time.time() - _STOP["time"] > 1.0:  # a second signal (not a copy of the first, which a
-        signal.signal(signum, signal.SIG_DFL)  # scheduler and a launcher may both send): stop now
-        os.kill(os.getpid(), signum)
-
-
-def stop_signal():
-    return _STOP["signal"]
-
-
-def ignore_sigint(worker_id):
-    """A Ctrl-C in a terminal reaches every process of the group, DataLoader workers too: they leave it to
-    the training process, which must still read the batch in flight. (SIGTERM stays fatal for them:
-    multiprocessing uses it to end them when the training process exits.)"""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-
-
-# --- a lost peer -----------------------------------------------------------------------------------------
-HEARTBEAT_S = 2.0
-
-
-def start_heartbeat(progress):
-    """Every HEARTBEAT_S, write (time, training step) of this rank into the launcher's key-value store,
-    from a thread: a rank that is stopped, killed or cut off falls silent, one stuck in its own work
-    falls behind. When a collective fails, describe_peers() reads this to name the rank at fault."""
-    store = dist.distributed_c10d._get_default_store()  # the store init_process_group rendezvoused with
-    key = f"heartbeat/{dist.get_rank()}"
-
-    def beat():
-        while True:
-            try:
-                store.set(key, f"{time.time()} {progress['step']}")
-            except Exception:  # the store is gone: the job is ending
-                return
-            time.sleep(HEARTBEAT_S)
-
-    threading.Thread(target=beat, daemon=True, name="heartbeat").start()
-    return store
-
-
-def describe_peers(store, world_size):
-    if store is None:
-        return "no heartbeat to tell which rank"
-    now, beats = time.time(), {}
-    store.set_timeout(timedelta(seconds=5))  # the launcher may be tearing the store down: do not wait on it
-    for rank in range(world_size):
-        try:
-            if store.check([f"heartbeat/{rank}"]):
-                stamp, step = store.get(f"heartbeat/{rank}").decode().split()
-                beats[rank] = (now - float(stamp), int(step))
-        except Exception:
-            pass
-    silent = {r: age for r, (age, _) in beats.items() if age > 3 * HEARTBEAT_S}
-    missing = [r for r in range(world_size) if r not in beats]
-    if silent or missing:
-        parts = [f"rank {r} silent for {age:.0f} s" for r, age in sorted(silent.items())]
-        parts += [f"rank {r} never reported" for r in missing]
-        return ", ".join(parts) + " (stopped, killed, or cut off)"
-    steps = {r: step for r, (_, step) in beats.items()}
-    if len(set(steps.values())) > 1:
-        low = min(steps.values())
-        behind = [r for r, step in steps.items() if step == low]
-        return f"rank(s) {behind} behind at step {low}, others at {max(steps.values())} (stuck in their own work)"
-    return "every rank alive and at the same step: a rank is stuck inside a collective, or the network failed"
-
-
-def is_communication_error(error):
-    text = str(error).lower()
-    return isinstance(error, dist.DistError) or any(
-        word in text for word in ("gloo", "nccl", "timed out", "timeout", "connection", "peer"))
-
-
-# --- checkpoints -----------------------------------------------------------------------------------------
-def save_checkpoint(state, path, keep_previous=False):
-    """Write to a temporary file, fsync, then rename over path: a crash mid-write leaves the last whole
-    checkpoint in place. keep_previous: the one being replaced stays as *.prev.pth, a fallback."""
-    tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
-        torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())
-    if keep_previous and os.path.isfile(path):
-        previous = path.replace(".pth", ".prev.pth")
-        if os.path.exists(previous):
-            os.remove(previous)
-        os.link(path, previous)  # a second name for the old file: checkpoint.pth exists throughout
-    os.replace(tmp, path)
-    directory = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
-    os.fsync(directory)  # the rename itself survives a power cut
-    os.close(directory)
-
-
-def read_checkpoint(path):
-    """-> (checkpoint dict, None) or (None, why it cannot be used)."""
-    try:
-        # map_location="cpu": otherwise every rank loads onto the GPU the checkpoint was saved from
-        # (rank 0's), and that GPU holds a copy per rank. weights_only=True: a checkpoint is data, not code.
-        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as error:
-        return None, f"cannot be read ({str(error).splitlines()[0][:150]}): truncated or not a checkpoint"
-    if not isinstance(checkpoint, dict) or not {"model", "epoch"} <= checkpoint.keys():
-        return None, "is not a checkpoint of main.py (no 'model' and 'epoch' in it)"
-    return checkpoint, None
-
-
-def find_checkpoint(resume, output_dir):
-    """--resume PATH: that file, or a clear error. --resume auto: output_dir/checkpoint.pth, else the
-    one before it (checkpoint.prev.pth), else nothing: a fresh start. -> (checkpoint, path) or (None, "")"""
-    if resume != "auto":
-        if not os.path.isfile(resume):
-            fail(f"--resume {resume}: no such file")
-        checkpoint, problem = read_checkpoint(resume)
-        if problem:
-            fail(f"--resume {resume} {problem}")
-        return checkpoint, resume
-    for name in ("checkpoint.pth", "checkpoint.prev.pth"):
-        path = os.path.join(output_dir, name)
-        if os.path.isfile(path):
-            checkpoint, problem = read_checkpoint(path)
-            if checkpoint is not None:
-                return checkpoint, path
-            log(f"warning: {path} {problem}; trying the one before it")
-    log(f"no usable checkpoint in {output_dir}: starting afresh")
-    return None, ""
-
-
-def load_model_state(model, checkpoint, path, model_name):
-    saved = checkpoint.get("args", {}).get("model")
-    if saved and saved != model_name:
-        fail(f"--resume {path} holds a {saved} model, but this run builds {model_name}: pass --model {saved}")
-    own = model.state_dict()
-    theirs = checkpoint["model"]
-    wrong = [f"{k} {tuple(v.shape)} vs {tuple(own[k].shape)}" for k, v in theirs.items()
-             if k in own and v.shape != own[k].shape]
-    missing, unexpected = own.keys() - theirs.keys(), theirs.keys() - own.keys()
-    if wrong or missing or unexpected:
-        fail(f"--resume {path} does not fit {model_name} with {NUM_CLASSES} classes: {len(wrong)} tensors of "
-             f"another shape (e.g. {wrong[:1]}), {len(missing)} missing, {len(unexpected)} unexpected")
-    model.load_state_dict(theirs)
-
-
-def metrics_before(path, epoch):
-    """Keep the metrics of epochs before `epoch`: a resumed run rewrites those after it."""
-    if not os.path.isfile(path):
-        return
-    with open(path) as f:
-        kept = [line for line in f if line.strip() and json.loads(line)["epoch"] < epoch]
-    with open(path, "w") as f:
-        f.writelines(kept)
-
-
-def main(args):
+def check_args(args, use_cuda):
+    """What the flags alone can tell: checked before any work. -> the crop as (height, width)."""
     crop_size = args.crop_size * 2 if len(args.crop_size) == 1 else args.crop_size
     if len(crop_size) != 2 or min(crop_size) < 8:
         fail(f"--crop-size {' '.join(map(str, args.crop_size))}: give one or two numbers of at least 8")
-    use_cuda = torch.cuda.is_available()
     if args.amp == "fp16" and not use_cuda:
         fail("--amp fp16 needs CUDA; on the CPU use --amp bf16 or no --amp")
     if args.sync_bn and not use_cuda:
@@ -470,37 +300,12 @@ def main(args):
         fail("-e/--evaluate evaluates a trained model: give it --resume PATH")
     if args.start_epoch >= args.epochs and not args.resume:
         fail(f"--start-epoch {args.start_epoch} is not below --epochs {args.epochs}: nothing to train")
-    _QUIET["on"] = bool(args.check_only)
-    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
-    if restarts and not args.resume:
-        args.resume = "auto"  # torchrun restarted us after a failure: carry on from the last checkpoint
+    return crop_size
 
-    # Step 1 (continued): the launchers set RANK and WORLD_SIZE; without them this is one plain process,
-    # with no process group. Under a launcher even one process takes the DDP path, as eight would.
-    local_rank = args.local_rank
-    distributed = "RANK" in os.environ and "WORLD_SIZE" in os.environ and not args.check_only
-    if use_cuda and not args.check_only:
-        if local_rank >= torch.cuda.device_count():
-            fail(f"local rank {local_rank} but only {torch.cuda.device_count()} GPUs visible: "
-                 "start at most one process per GPU")
-        # Before init_process_group, so that NCCL sets up on this GPU, not on GPU 0 for every rank.
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
-    else:
-        device = torch.device("cpu")
 
-    # Step 2: the process group. The tutorial hard-codes nccl, which needs GPUs; gloo runs on the CPU.
-    # The timeout turns a lost peer into an error instead of a job that waits forever.
-    if distributed:
-        backend = args.dist_backend or ("nccl" if use_cuda else "gloo")
-        dist.init_process_group(backend=backend, timeout=timedelta(minutes=args.dist_timeout))
-    rank = dist.get_rank() if distributed else 0
-    world_size = dist.get_world_size() if distributed else (args.check_only or 1)
-    log(f"{world_size} process(es), backend {dist.get_backend() if distributed else 'none'}, "
-        f"device {device.type}, global batch {args.batch_size * world_size}"
-        + (f", restart {restarts} by torchrun" if restarts else ""))
-
-    # Everything the user can get wrong is checked before any training time is spent.
+def load_datasets(args, crop_size, world_size):
+    """The train and val sets, every file's header read: a missing label or a damaged file is found here,
+    before any training time is spent, the same way on every rank."""
     try:
         train_set = Cityscapes(args.data, "train", crop_size=crop_size, seed=args.seed)
         val_set = Cityscapes(args.data, "val")
@@ -510,6 +315,85 @@ def main(args):
         fail(error)
     if world_size > len(val_set):
         fail(f"{world_size} processes but only {len(val_set)} val images: use at most {len(val_set)} processes")
+    return train_set, val_set
+
+
+def default_workers():
+    """Data loading workers for this process: its share of the cores it may run on, less one for itself."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, min(16, cores // int(os.environ.get("LOCAL_WORLD_SIZE", 1)) - 1))
+
+
+def make_optimizer(model, args):
+    """SGD with the recipe's two learning rates: the pretrained backbone moves at --backbone-lr times the
+    head's (each group's lr_mult, applied by adjust_learning_rate)."""
+    backbone = list(model.backbone.parameters())
+    head = [p for p in model.parameters() if all(p is not q for q in backbone)]
+    return torch.optim.SGD([{"params": backbone, "lr_mult": args.backbone_lr}, {"params": head, "lr_mult": 1.0}],
+                           lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay)
+
+
+def evaluate_checkpoint(args, model, val_loader, val_ids, device, autocast, num_images, checkpoint):
+    """-e: evaluate --resume's model on val, print the table; rank 0 writes eval.json and the picture."""
+    start = time.time()
+    confusion, sample = evaluate(model, val_loader, device, autocast, val_ids, args.save_predictions)
+    miou, iou = iou_from_confusion(confusion)
+    print_iou_table(miou, iou)
+    if is_main_process():
+        result = {"miou": miou, "iou": iou_dict(iou), "num_images": num_images,  # each once
+                  "checkpoint": checkpoint, "eval_time_s": time.time() - start}
+        with open(os.path.join(args.output_dir, "eval.json"), "w") as f:
+            json.dump(result, f, indent=1)
+        save_picture(os.path.join(args.output_dir, "vis", "eval.png"), sample)
+        log(f"wrote {os.path.join(args.output_dir, 'eval.json')}"
+            + (f" and predictions to {args.save_predictions}" if args.save_predictions else ""))
+
+
+def write_epoch(args, state, is_best, sample, record):
+    """After an epoch (rank 0 alone: several ranks writing one file corrupt it): checkpoint.pth (the one it
+    replaces kept as checkpoint.prev.pth), best.pth when the mIoU is the best yet, the picture, a line of
+    metrics.jsonl."""
+    recovery.save_checkpoint(state, os.path.join(args.output_dir, "checkpoint.pth"), keep_previous=True)
+    if is_best:
+        recovery.save_checkpoint(state, os.path.join(args.output_dir, "best.pth"))
+    save_picture(os.path.join(args.output_dir, "vis", f"epoch_{record['epoch']:03d}.png"), sample)
+    with open(os.path.join(args.output_dir, "metrics.jsonl"), "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+@recovery.guarded  # around the run: a mistake ends in one line, a lost peer is named (recovery.py)
+def main(args):
+    use_cuda = torch.cuda.is_available()
+    crop_size = check_args(args, use_cuda)
+    recovery.set_quiet(bool(args.check_only))
+    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+    if restarts and not args.resume:
+        args.resume = "auto"  # torchrun restarted us after a failure: carry on from the last checkpoint
+
+    # Step 1 (continued): the launchers set RANK and WORLD_SIZE; without them this is one plain process,
+    # with no process group. Under a launcher even one process takes the DDP path, as eight would.
+    local_rank = args.local_rank
+    distributed = "RANK" in os.environ and "WORLD_SIZE" in os.environ and not args.check_only
+    device = torch.device("cpu")
+    if use_cuda and not args.check_only:
+        if local_rank >= torch.cuda.device_count():
+            fail(f"local rank {local_rank} but only {torch.cuda.device_count()} GPUs visible: "
+                 "start at most one process per GPU")
+        # Before init_process_group, so that NCCL sets up on this GPU, not on GPU 0 for every rank.
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+
+    # Step 2: the process group. The tutorial hard-codes nccl, which needs GPUs; gloo runs on the CPU.
+    # The timeout turns a lost peer into an error instead of a job that waits forever.
+    if distributed:
+        backend = args.dist_backend or ("nccl" if use_cuda else "gloo")
+        dist.init_process_group(backend=backend, timeout=timedelta(minutes=args.dist_timeout))
+        recovery.start_heartbeat()  # every rank's step, so that a lost peer can be named
+    rank, world_size = get_rank(), args.check_only or get_world_size()
+    log(f"{world_size} process(es), backend {dist.get_backend() if distributed else 'none'}, "
+        f"device {device.type}, global batch {args.batch_size * world_size}"
+        + (f", restart {restarts} by torchrun" if restarts else ""))
+    train_set, val_set = load_datasets(args, crop_size, world_size)
 
     # Step 3: the model, wrapped in DDP. The same seed on every rank gives the same initial weights
     # (DDP would also broadcast rank 0's when it wraps the model).
@@ -518,13 +402,15 @@ def main(args):
         model = build_model(args.model, NUM_CLASSES, args.output_stride, args.pretrained_backbone)
     except (ValueError, FileNotFoundError, RuntimeError) as error:
         fail(error)
+    # Precision and memory layout, resolved once. channels_last (NHWC): faster convolutions on GPUs.
+    amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.amp)
+    autocast = functools.partial(torch.autocast, device.type, dtype=amp_dtype, enabled=amp_dtype is not None)
     channels_last = args.channels_last if args.channels_last is not None else use_cuda
-    args.channels_last = channels_last  # resolved: train_one_epoch reads it, the checkpoint records it
-    model.to(device, memory_format=torch.channels_last if channels_last else torch.contiguous_format)
+    memory_format = torch.channels_last if channels_last else torch.contiguous_format
+    model.to(device, memory_format=memory_format)
     if use_cuda:
         torch.backends.cudnn.benchmark = True  # crops and val images have fixed sizes: time kernels once
-    sync_bn = args.sync_bn if args.sync_bn is not None else (use_cuda and world_size > 1)
-    if sync_bn:
+    if args.sync_bn if args.sync_bn is not None else (use_cuda and world_size > 1):
         # Batch statistics over the global batch, not over each GPU's 2-8 images: segmentation batches
         # per GPU are small, and BatchNorm on them is noisy. Not on the CPU: it only runs on CUDA.
         model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
@@ -543,169 +429,109 @@ def main(args):
 
     # Step 4: DistributedSampler gives each rank its own part of the training set, so the DataLoader
     # must not shuffle (shuffle=False): the sampler shuffles, with the same seed on every rank.
-    train_sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True,
-                                       seed=args.seed)
+    # (recovery.ResumableSampler is PyTorch's DistributedSampler that can also begin an epoch part-way.)
+    train_sampler = recovery.ResumableSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True,
+                                              seed=args.seed)
     # drop_last: every batch full, and every rank runs the same number of steps, which DDP needs.
     # Augmentation is drawn from (seed, epoch, image index), so no worker needs a seed of its own and a
-    # resumed run draws what an uninterrupted one would. pin_memory: page-locked batches, so that the copy
-    # to the GPU (non_blocking) overlaps with compute. persistent_workers: no new worker processes each epoch.
-    loader_args = dict(batch_size=args.batch_size, num_workers=args.workers, pin_memory=use_cuda,
-                       worker_init_fn=ignore_sigint)
-    train_loader = DataLoader(train_set, shuffle=False, sampler=train_sampler, drop_last=True,
-                              persistent_workers=args.workers > 0, **loader_args)
-    val_loader = DataLoader(Subset(val_set, eval_shard(len(val_set), rank, world_size)),
-                            persistent_workers=args.workers > 0, **{**loader_args, "batch_size": 1})
+    # resumed run draws what an uninterrupted one would. pin_memory: page-locked batches, so that the
+    # copy to the GPU (non_blocking) overlaps with compute. persistent_workers: training keeps its
+    # workers from epoch to epoch; evaluation's exist only while it runs.
+    workers = args.workers if args.workers is not None else default_workers()
+    loader_args = dict(num_workers=workers, pin_memory=use_cuda, worker_init_fn=recovery.ignore_sigint)
+    train_loader = DataLoader(train_set, batch_size=args.batch_size, shuffle=False, sampler=train_sampler,
+                              drop_last=True, persistent_workers=workers > 0, **loader_args)
+    val_shard = eval_shard(len(val_set), rank, world_size)
+    val_loader = DataLoader(Subset(val_set, val_shard), batch_size=1, **loader_args)
+    val_ids = [val_set.image_id(i) for i in val_shard]
     steps_per_epoch = len(train_loader)
     if not args.evaluate and steps_per_epoch == 0:
         fail(f"--batch-size {args.batch_size} is more than a process's share of the {len(train_set)} training "
              f"images ({len(train_sampler)} with {world_size} processes): use a smaller batch or fewer processes")
 
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum,
-                                weight_decay=args.weight_decay)
+    optimizer = make_optimizer(model_without_ddp, args)
     # float16 needs loss scaling against underflow; bfloat16 has float32's range and needs none.
     scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
-
-    checkpoint_path = os.path.join(args.output_dir, "checkpoint.pth")
-    metrics_path = os.path.join(args.output_dir, "metrics.jsonl")
-    best_miou, start_epoch, start_step, epoch_loss_sum = float("-inf"), args.start_epoch, 0, 0.0
-    resume = ""
-    if args.resume:
-        checkpoint, resume = find_checkpoint(args.resume, args.output_dir)
-        if checkpoint is not None:
-            load_model_state(model_without_ddp, checkpoint, resume, args.model)
-            if not args.evaluate:
-                optimizer.load_state_dict(checkpoint["optimizer"])
-                if checkpoint["scaler"] and scaler.is_enabled():  # empty when saved without --amp fp16
-                    scaler.load_state_dict(checkpoint["scaler"])
-                start_epoch, start_step = checkpoint["epoch"], checkpoint["step"]
-                best_miou, epoch_loss_sum = checkpoint["best_miou"], checkpoint["epoch_loss_sum"]
-                before = (checkpoint["world_size"], checkpoint["batch_size"])
-                if before != (world_size, args.batch_size) and start_step:
-                    # Another order of images: finish the epoch from the same number of images seen.
-                    start_step = start_step * before[0] * before[1] // (world_size * args.batch_size)
-                if before != (world_size, args.batch_size):
-                    log(f"note: the checkpoint was trained with {before[0]} process(es) x {before[1]} images; "
-                        f"this run has {world_size} x {args.batch_size}. It continues at the same epoch and "
-                        "learning-rate position, but not bitwise as an uninterrupted run would")
-            where = f"epoch {checkpoint['epoch']}" + (f" step {checkpoint['step']}" if checkpoint["step"] else "")
-            log(f"resuming from {resume} at {where}, best mIoU {checkpoint['best_miou']:.4f}")
+    position, resumed_from = recovery.resume(args, model_without_ddp, optimizer, scaler, world_size)
     if args.check_only:
         return
-
-    save_dir = args.save_predictions
+    checkpoint_path = os.path.join(args.output_dir, "checkpoint.pth")
     if is_main_process():
         os.makedirs(os.path.join(args.output_dir, "vis"), exist_ok=True)
-        if save_dir is not None:
-            os.makedirs(save_dir, exist_ok=True)
-            if any(not name.endswith("_pred_labelIds.png") for name in os.listdir(save_dir)):
-                log(f"warning: {save_dir} holds other files; the official evaluation wants only predictions there")
+        if args.save_predictions is not None:
+            os.makedirs(args.save_predictions, exist_ok=True)
+        if not args.evaluate:
+            recovery.trim_metrics(os.path.join(args.output_dir, "metrics.jsonl"), position["epoch"])
     if distributed:
         dist.barrier()  # the folders exist before any rank writes into them
+    recovery.install_signal_handlers()
 
-    # SIGTERM (a scheduler's preemption, torchrun passing one on) or SIGINT (Ctrl-C): finish the step,
-    # agree with the other ranks, save where we are, exit 0. A second signal exits at once.
-    signal.signal(signal.SIGTERM, _on_signal)
-    signal.signal(signal.SIGINT, _on_signal)
-    progress = {"step": start_epoch * steps_per_epoch + start_step}
-    store = start_heartbeat(progress) if distributed else None
-
-    try:
-        if args.evaluate:
-            start = time.time()
-            confusion, sample = evaluate(model_without_ddp, val_loader, device, args.amp, save_dir)
+    if args.evaluate:
+        evaluate_checkpoint(args, model_without_ddp, val_loader, val_ids, device, autocast, len(val_set),
+                            resumed_from)
+    else:
+        first_epoch, start_step = position["epoch"], position["step"]
+        best_miou, epoch_loss_sum = position["best_miou"], position["epoch_loss_sum"]
+        log(f"training {args.model} on {len(train_set)} images ({steps_per_epoch} steps/epoch), epochs "
+            f"{first_epoch}..{args.epochs - 1}, evaluating on {len(val_set)}")
+        for epoch in range(first_epoch, args.epochs):
+            # Step 4 (continued): the tutorial never calls set_epoch. The sampler seeds its shuffle with
+            # seed + epoch; without this call every epoch visits the images in the same order.
+            train_sampler.set_epoch(epoch)
+            train_sampler.skip = start_step * args.batch_size  # a resumed epoch: only the batches not yet seen
+            train_set.epoch = epoch
+            epoch_start = time.time()
+            trained = train_one_epoch(model, optimizer, scaler, train_loader, device, epoch, start_step,
+                                      steps_per_epoch, args, autocast, memory_format)
+            train_sampler.skip = 0
+            if trained["stopped"] == "nonfinite":
+                fail(f"the loss became NaN or infinite in epoch {epoch}: stopped without saving; "
+                     f"{checkpoint_path if os.path.isfile(checkpoint_path) else 'no checkpoint'} is the last "
+                     "good one. Try a lower --lr, or --amp bf16 instead of fp16")
+            epoch_loss_sum += trained["loss_sum"]
+            sync_buffers(model_without_ddp)
+            state = {"model": model_without_ddp.state_dict(), "optimizer": optimizer.state_dict(),
+                     "scaler": scaler.state_dict(), "best_miou": best_miou, "args": vars(args),
+                     "world_size": world_size, "batch_size": args.batch_size}  # vars(): loads weights_only
+            if trained["stopped"] == "signal":
+                step = start_step + trained["steps"]
+                if is_main_process():
+                    state.update(epoch=epoch, step=step, epoch_loss_sum=epoch_loss_sum)
+                    recovery.save_checkpoint(state, checkpoint_path, keep_previous=True)
+                log(f"stopped by signal {recovery.stop_signal() or 'on another rank'} at epoch {epoch} step "
+                    f"{step}/{steps_per_epoch}; saved {checkpoint_path}. Resume with the same command and "
+                    "--resume auto")
+                break
+            eval_start = time.time()
+            confusion, sample = evaluate(model_without_ddp, val_loader, device, autocast, val_ids,
+                                         args.save_predictions if epoch == args.epochs - 1 else None)
             miou, iou = iou_from_confusion(confusion)
             print_iou_table(miou, iou)
+            is_best, best_miou = miou > best_miou, max(miou, best_miou)
+            train_loss = epoch_loss_sum / (steps_per_epoch * world_size)
             if is_main_process():
-                result = {"miou": miou, "iou": iou_dict(iou), "num_images": len(val_set),  # each once
-                          "checkpoint": resume, "eval_time_s": time.time() - start}
-                with open(os.path.join(args.output_dir, "eval.json"), "w") as f:
-                    json.dump(result, f, indent=1)
-                save_picture(os.path.join(args.output_dir, "vis", "eval.png"), sample)
-                log(f"wrote {os.path.join(args.output_dir, 'eval.json')}"
-                    + (f" and predictions to {save_dir}" if save_dir else ""))
+                state.update(best_miou=best_miou, epoch=epoch + 1, step=0, epoch_loss_sum=0.0)
+                write_epoch(args, state, is_best, sample, {
+                    "epoch": epoch, "train_loss": train_loss, "lr": trained["lr"], "miou": miou, "iou": iou_dict(iou),
+                    "train_img_per_s": trained["images_per_s"], "data_wait_fraction": trained["data_wait"],
+                    "epoch_time_s": time.time() - epoch_start, "eval_time_s": time.time() - eval_start,
+                    "world_size": world_size, "peak_memory_gib": trained["peak_memory_gib"]})
+            left = args.epochs - epoch - 1
+            eta = timedelta(seconds=round((time.time() - epoch_start) * left))  # so nobody wonders if it hangs
+            log(f"epoch {epoch}: train loss {train_loss:.4f}, {trained['images_per_s']:.1f} img/s, mIoU {miou:.4f} "
+                f"(best {best_miou:.4f}); saved {checkpoint_path}"
+                + (f". The other {left} epoch(s) will take about {eta}" if epoch == first_epoch and left else ""))
+            if trained["data_wait"] > 0.05:
+                log(f"note: the training loop waited {trained['data_wait']:.0%} of its time for data: more -j "
+                    f"(now {workers}) if the machine has the cores")
+            start_step, epoch_loss_sum = 0, 0.0
+            if agree(recovery.stop_signal() is not None, device=device)[0]:  # a signal during evaluation
+                log(f"stopped by signal after epoch {epoch}; saved {checkpoint_path}. Resume with the same "
+                    "command and --resume auto")
+                break
         else:
-            if is_main_process():
-                metrics_before(metrics_path, start_epoch)
-            log(f"training {args.model} on {len(train_set)} images ({steps_per_epoch} steps/epoch), epochs "
-                f"{start_epoch}..{args.epochs - 1}, evaluating on {len(val_set)}")
-            for epoch in range(start_epoch, args.epochs):
-                # Step 4 (continued): the tutorial never calls set_epoch. The sampler seeds its shuffle with
-                # seed + epoch; without this call every epoch visits the images in the same order.
-                train_sampler.set_epoch(epoch)
-                train_set.epoch = epoch
-                loader = train_loader
-                if start_step:  # a resumed epoch: only the batches it has not seen, in the same order
-                    loader = DataLoader(train_set, sampler=list(train_sampler)[start_step * args.batch_size:],
-                                        drop_last=True, **loader_args)
-                epoch_start = time.time()
-                loss_sum, steps_done, lr, images_per_s, stopped = train_one_epoch(
-                    model, optimizer, scaler, loader, device, epoch, start_step, steps_per_epoch, args, progress)
-                if stopped == "nonfinite":
-                    fail(f"the loss became NaN or infinite in epoch {epoch}: stopped without saving; "
-                         f"{checkpoint_path if os.path.isfile(checkpoint_path) else 'no checkpoint'} is the last "
-                         "good one. Try a lower --lr, or --amp bf16 instead of fp16")
-                epoch_loss_sum += loss_sum
-                sync_buffers(model_without_ddp)
-                state = {"model": model_without_ddp.state_dict(), "optimizer": optimizer.state_dict(),
-                         "scaler": scaler.state_dict(), "best_miou": best_miou, "args": vars(args),
-                         "world_size": world_size, "batch_size": args.batch_size}  # vars(): loads weights_only
-                if stopped == "signal":
-                    position = start_step + steps_done
-                    if is_main_process():
-                        save_checkpoint({**state, "epoch": epoch, "step": position, "epoch_loss_sum": epoch_loss_sum},
-                                        checkpoint_path, keep_previous=True)
-                    log(f"stopped by signal {stop_signal() or 'on another rank'} at epoch {epoch} step "
-                        f"{position}/{steps_per_epoch}; saved {checkpoint_path}. "
-                        "Resume with the same command and --resume auto")
-                    break
-                eval_start = time.time()
-                last = epoch == args.epochs - 1
-                confusion, sample = evaluate(model_without_ddp, val_loader, device, args.amp,
-                                             save_dir if last else None)
-                eval_time = time.time() - eval_start
-                miou, iou = iou_from_confusion(confusion)
-                print_iou_table(miou, iou)
-                # Every rank's peak memory so far (GPU: allocated; CPU: resident), to see that rank 0 carries
-                # no more than the others, as DataParallel's first GPU did.
-                peak_memory = torch.zeros(world_size, device=device)
-                peak_memory[rank] = peak_memory_gib(device)
-                peak_memory = all_reduce_sum(peak_memory).tolist()
-                is_best = miou > best_miou
-                best_miou = max(miou, best_miou)
-                train_loss = epoch_loss_sum / (steps_per_epoch * world_size)
-                if is_main_process():
-                    # Only global rank 0 writes: several ranks writing one file corrupt it.
-                    state.update(best_miou=best_miou, epoch=epoch + 1, step=0, epoch_loss_sum=0.0)
-                    save_checkpoint(state, checkpoint_path, keep_previous=True)
-                    if is_best:
-                        save_checkpoint(state, os.path.join(args.output_dir, "best.pth"))
-                    picture = os.path.join(args.output_dir, "vis", f"epoch_{epoch:03d}.png")
-                    save_picture(picture, sample)
-                    record = {"epoch": epoch, "train_loss": train_loss, "lr": lr, "miou": miou, "iou": iou_dict(iou),
-                              "train_img_per_s": images_per_s, "epoch_time_s": time.time() - epoch_start,
-                              "eval_time_s": eval_time, "world_size": world_size, "peak_memory_gib": peak_memory}
-                    with open(metrics_path, "a") as f:
-                        f.write(json.dumps(record) + "\n")
-                    log(f"epoch {epoch}: train loss {train_loss:.4f}, {images_per_s:.1f} img/s, mIoU {miou:.4f} "
-                        f"(best {best_miou:.4f}); saved {checkpoint_path} and {picture}")
-                start_step, epoch_loss_sum = 0, 0.0
-                if agree(stop_signal() is not None, device):  # a signal during evaluation: stop here
-                    log(f"stopped by signal after epoch {epoch}; saved {checkpoint_path}. "
-                        "Resume with the same command and --resume auto")
-                    break
-            else:
-                log(f"done: best mIoU {best_miou:.4f}. Checkpoints in {args.output_dir}/ (checkpoint.pth, "
-                    f"best.pth), pictures in {args.output_dir}/vis/, metrics in {metrics_path}")
-    except BadInput as error:  # a bad file found when read; the DataLoader wraps the message in a traceback
-        fail(str(error).rstrip().splitlines()[-1].split("BadInput: ", 1)[-1])
-    except RuntimeError as error:
-        if not (distributed and is_communication_error(error)):
-            raise
-        # Every rank that sees it says so: rank 0 may be the one that is gone.
-        print(f"main.py: error: rank {rank}: a collective failed or waited more than --dist-timeout "
-              f"{args.dist_timeout:g} min ({str(error).splitlines()[0][:120]}). {describe_peers(store, world_size)}. "
-              f"The last checkpoint: {checkpoint_path}; restart with --resume auto", file=sys.stderr, flush=True)
-        os._exit(1)  # not sys.exit: tearing down a broken process group can hang
+            log(f"done: best mIoU {best_miou:.4f}. Checkpoints in {args.output_dir}/ (checkpoint.pth, best.pth), "
+                f"pictures in {args.output_dir}/vis/, metrics in {args.output_dir}/metrics.jsonl")
     if distributed:
         dist.destroy_process_group()  # without it NCCL warns of leaked resources at exit
 

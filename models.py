@@ -50,7 +50,8 @@ def _load_backbone_weights(net, backbone, pretrained):
         except Exception as error:  # no network, proxy, ...
             raise RuntimeError(
                 f"could not download the ImageNet weights of {backbone} ({weights.url}): {error}. "
-                f"Download that file elsewhere and pass its path to --pretrained-backbone") from None
+                f"Download that file elsewhere and pass its path to --pretrained-backbone, or train from scratch with "
+                f"--pretrained-backbone none") from None
     else:
         if not os.path.isfile(pretrained):
             raise FileNotFoundError(f"--pretrained-backbone {pretrained}: no such file")
@@ -112,7 +113,7 @@ class _PoolingBatchNorm(nn.BatchNorm2d):
 class DeepLab(nn.Module):
     """DeepLabV3 (plus=False) or DeepLabV3+ (plus=True) for semantic segmentation.
 
-    The defaults are the published Cityscapes recipe's model: DeepLabV3+, ResNet-101, output stride 16.
+    The defaults are main.py's recipe's model: DeepLabV3+, ResNet-101, output stride 16.
     """
 
     def __init__(self, num_classes=19, backbone="resnet101", plus=True, output_stride=16,

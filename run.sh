@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Launch main.py with torchrun: one process per visible GPU, or NPROC gloo processes on the CPU.
 #
-#   CUDA_VISIBLE_DEVICES=0,1 ./run.sh                  # 2 GPUs, the published recipe on data/cityscapes
+#   CUDA_VISIBLE_DEVICES=0,1 ./run.sh                  # 2 GPUs, main.py's recipe on data/cityscapes
 #   ./run.sh --epochs 10 --lr 0.02                     # arguments after run.sh go to main.py (and win)
 #   NPROC=4 ./run.sh                                   # on a CPU: 4 gloo processes (default 2)
 #   DATA=/datasets/cityscapes OUTPUT_DIR=runs/r101 ./run.sh
@@ -33,15 +33,15 @@ else
 fi
 
 if compgen -G "$DATA/leftImg8bit/train/*/*_leftImg8bit.png" >/dev/null; then
-  # The published recipe: DeepLabV3+ ResNet-101, output stride 16, crop 768, global batch 16,
-  # lr 0.01 with poly decay, ImageNet backbone (downloaded once; offline, pass a local .pth instead).
+  # main.py's defaults are the recipe (VainF/DeepLabV3Plus-Pytorch's: DeepLabV3+ ResNet-101, output stride 16,
+  # crop 768, global batch 16, lr 0.1 with the backbone at 0.01, 30k iterations, ImageNet backbone).
+  # run.sh keeps the global batch at 16 whatever the number of processes.
   WORLD=$(( NPROC * NNODES ))
   BATCH=$(( 16 / WORLD )); [ "$BATCH" -ge 1 ] || BATCH=1
   if [ $(( BATCH * WORLD )) -ne 16 ]; then
     echo "run.sh: note: global batch is $(( BATCH * WORLD )), not the recipe's 16 ($WORLD processes)"
   fi
-  ARGS=(--model deeplabv3plus_resnet101 --output-stride 16 --crop-size 768 -b "$BATCH" --lr 0.01
-        --epochs 200 --pretrained-backbone imagenet)
+  ARGS=(-b "$BATCH")
 else
   echo "run.sh: no Cityscapes in $DATA (README.md says how to get it); training a demo on a synthetic set"
   if [ ! -d "$SYNTHETIC" ]; then
@@ -51,7 +51,8 @@ else
     mv "$SYNTHETIC.tmp" "$SYNTHETIC"
   fi
   DATA=$SYNTHETIC
-  ARGS=(--model deeplabv3plus_mobilenet_v3_large --crop-size 128 -b 8 --lr 0.05 --epochs 12 -j 1 -p 6)
+  ARGS=(--model deeplabv3plus_mobilenet_v3_large --pretrained-backbone none --crop-size 128 -b 8 --lr 0.05
+        --backbone-lr 1 --epochs 12 -j 1 -p 6)
 fi
 
 if [ "$NNODES" -gt 1 ]; then

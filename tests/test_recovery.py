@@ -139,7 +139,7 @@ def test_resume_with_another_number_of_processes(data24, straight, tmp_path):
     records = _metrics(out)
     assert [r["epoch"] for r in records] == [1] and records[0]["world_size"] == 1
     # The schedule continues at its position: epoch 1's last step is step 23 of 24.
-    assert records[0]["lr"] == pytest.approx(0.01 * (1 - 23 / 24) ** 0.9)
+    assert records[0]["lr"] == pytest.approx(0.1 * (1 - 23 / 24) ** 0.9)  # the default --lr
 
 
 def test_torchrun_restarts_a_killed_worker_and_the_run_finishes(data24, tmp_path):

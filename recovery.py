@@ -1,0 +1,394 @@
+"""Surviving faults, out of main.py's way: who speaks, one-line errors, signals, a lost peer, checkpoints.
+
+main.py calls it in a few places:
+
+    @recovery.guarded                            # main(args) inside guard(): a mistake -> one line, a lost
+    def main(args): ...                          # peer -> which rank, exit 1
+        recovery.fail("...")                     # a mistake every rank finds the same way: rank 0 says it
+        recovery.install_signal_handlers()       # SIGTERM / Ctrl-C: finish the step, save, exit 0
+        recovery.start_heartbeat()               # lets a rank name the peer it lost
+        position, path = recovery.resume(...)    # --resume PATH|auto
+        recovery.save_checkpoint(state, path, keep_previous=True)
+
+A mistake the user can fix ends with `main.py: error: ...` on one line, said by the rank that met it, once:
+under torchrun a restarted worker does not repeat it (a restart is for a lost process or peer, not for a
+bad file). Only global rank 0 logs progress and writes files.
+"""
+import functools
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from datetime import timedelta
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist
+from torch.utils.data.distributed import DistributedSampler
+
+from dataset import NUM_CLASSES, BadInput
+
+# This module's state, in one place: set by main.py and the signal handler, read by the heartbeat.
+_state = SimpleNamespace(quiet=False, signal=None, signal_time=0.0, step=0, output_dir=None,
+                         started=time.time())
+
+
+# --- who speaks -------------------------------------------------------------------------------------------
+def get_rank():
+    """The global rank; before the process group exists, the launcher's RANK (0 without a launcher)."""
+    return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))
+
+
+def get_world_size():
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def is_main_process():
+    """Global rank 0, not local rank 0: with several nodes that would be one per node."""
+    return get_rank() == 0
+
+
+def set_quiet(quiet):
+    """--check-only reports mistakes only."""
+    _state.quiet = quiet
+
+
+def log(*message):
+    if is_main_process() and not _state.quiet:
+        print(*message, flush=True)
+
+
+class UserError(Exception):
+    """A mistake every rank finds the same way (a flag, the data folder, a checkpoint): rank 0 says it."""
+
+
+def fail(message):
+    raise UserError(str(message))
+
+
+def _one_line(error):
+    """The message of a BadInput, also when a DataLoader worker raised it (then it is wrapped in the
+    worker's traceback, and the message is its last line)."""
+    lines = str(error).rstrip().splitlines() or [type(error).__name__]
+    return lines[-1].split("BadInput: ", 1)[-1]
+
+
+# --- the run, and how it ends ---------------------------------------------------------------------------
+@contextmanager
+def guard(output_dir):
+    """Around main.py's run: every way it can end becomes exit 0, or one line and exit 1.
+
+    - UserError (fail()): rank 0 prints it; every rank found it.
+    - BadInput raised while training (a damaged file whose header was fine): the rank that read it prints
+      it, whichever that is, and records it so that the peers waiting for this rank stay quiet and a
+      torchrun restart does not repeat it.
+    - A failed or timed-out collective: each waiting rank names the rank at fault from the heartbeats.
+    Anything else is a bug, not a mistake: its traceback is kept.
+    """
+    _state.output_dir = output_dir
+    _exit_if_stopped_before()
+    try:
+        yield
+    except UserError as error:
+        _stop(str(error), say_it=is_main_process())
+    except BadInput as error:
+        prefix = f"rank {get_rank()}: " if get_world_size() > 1 else ""
+        _stop(prefix + _one_line(error), say_it=True)
+    except Exception as error:
+        if not (dist.is_initialized() and is_collective_failure(error)):
+            raise
+        if _peer_stopped_on_a_mistake():
+            os._exit(1)  # the rank that met it said why; not sys.exit: a broken process group can hang
+        print(f"main.py: error: rank {get_rank()}: a collective failed or waited more than --dist-timeout "
+              f"({_one_line(error)[:160]}). {describe_peers()}. The last checkpoint: "
+              f"{os.path.join(output_dir, 'checkpoint.pth')}; restart with --resume auto", file=sys.stderr, flush=True)
+        os._exit(1)
+
+
+def guarded(main):
+    """main(args), run inside guard(args.output_dir)."""
+    @functools.wraps(main)
+    def run(args):
+        with guard(args.output_dir):
+            return main(args)
+    return run
+
+
+def is_collective_failure(error):
+    """Whether a collective or the rendezvous store failed. NCCL and the store raise torch.distributed's
+    own errors (DistError and its subclasses); gloo raises a plain RuntimeError that names the gloo source
+    file it came from. Neither tells a dead peer from a hung one or a broken network: the heartbeats do.
+    Other RuntimeErrors (a CUDA error, a DataLoader timeout) are not collective failures: they keep
+    their traceback."""
+    return isinstance(error, dist.DistError) or (isinstance(error, RuntimeError) and "/gloo/" in str(error))
+
+
+def _stop_file():
+    return os.path.join(_state.output_dir, ".stopped.json")
+
+
+def _stop(message, say_it):
+    """Say the one line, record it for the peers and for torchrun's restarts, exit 1."""
+    if say_it:
+        print(f"main.py: error: {message}", file=sys.stderr, flush=True)
+        if get_world_size() > 1 or "TORCHELASTIC_RUN_ID" in os.environ:
+            record = {"run_id": os.environ.get("TORCHELASTIC_RUN_ID", ""), "time": time.time(), "message": message}
+            try:
+                _write_atomically(_stop_file(), json.dumps(record).encode())
+            except OSError:
+                pass  # an output folder that cannot be written: restarts may repeat the line, nothing worse
+    if dist.is_initialized() and get_world_size() > 1:
+        os._exit(1)  # peers may be inside a collective with us: tearing the process group down can hang
+    sys.exit(1)
+
+
+def _read_stop_file():
+    try:
+        with open(_stop_file()) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def _peer_stopped_on_a_mistake():
+    record = _read_stop_file()
+    return record is not None and record.get("time", 0) >= _state.started
+
+
+def _exit_if_stopped_before():
+    """torchrun restarts every worker when one exits non-zero, whatever the reason. A worker that stopped
+    on a mistake recorded it: a restarted worker of the same torchrun job exits at once, without a word
+    (the line was said), so the job ends after torchrun's restarts run out, seconds later, instead of
+    meeting the same bad file again. In the first attempt, rank 0 clears a record of an earlier job."""
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    if run_id is None:
+        return
+    record = _read_stop_file()
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) == 0:
+        if record is not None and is_main_process():
+            os.remove(_stop_file())
+    elif record is not None and record.get("run_id") == run_id:
+        sys.exit(1)
+
+
+# --- signals: stop at the end of the step ---------------------------------------------------------------
+def install_signal_handlers():
+    """SIGTERM (a scheduler's preemption, torchrun passing one on) or SIGINT (Ctrl-C): main.py finishes the
+    step, the ranks agree, rank 0 saves where they are, all exit 0. A second signal exits at once."""
+    signal.signal(signal.SIGTERM, _on_signal)
+    signal.signal(signal.SIGINT, _on_signal)
+
+
+def _on_signal(signum, frame):
+    if _state.signal is None:
+        _state.signal, _state.signal_time = signum, time.time()
+    elif time.time() - _state.signal_time > 1.0:  # a second signal (not a copy of the first, which a
+        signal.signal(signum, signal.SIG_DFL)     # scheduler and a launcher may both send): stop now
+        os.kill(os.getpid(), signum)
+
+
+def stop_signal():
+    """The signal that asked this process to stop, or None."""
+    return _state.signal
+
+
+def ignore_sigint(worker_id):
+    """DataLoader workers' init: a Ctrl-C in a terminal reaches every process of the group, the workers too;
+    they leave it to the training process, which must still read the batch in flight. (SIGTERM stays fatal
+    for them: multiprocessing uses it to end them when the training process exits.)"""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+# --- a lost peer ------------------------------------------------------------------------------------------
+HEARTBEAT_S = 2.0
+
+
+def note_step(step):
+    """The training step this rank is at, for its heartbeat."""
+    _state.step = step
+
+
+def start_heartbeat():
+    """Every HEARTBEAT_S, write (time, training step) of this rank into the store the process group
+    rendezvoused with, from a thread: a rank that is stopped, killed or cut off falls silent, one stuck in
+    its own work falls behind. When a collective fails, describe_peers() reads this to name the rank."""
+    store, key = dist.distributed_c10d._get_default_store(), f"heartbeat/{get_rank()}"
+
+    def beat():
+        while True:
+            try:
+                store.set(key, f"{time.time()} {_state.step}")
+            except Exception:  # the store is gone: the job is ending
+                return
+            time.sleep(HEARTBEAT_S)
+
+    threading.Thread(target=beat, daemon=True, name="heartbeat").start()
+
+
+def describe_peers():
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        store.set_timeout(timedelta(seconds=5))  # the launcher may be tearing it down: do not wait on it
+    except Exception:
+        return "no heartbeat to tell which rank"
+    now, beats, world_size = time.time(), {}, get_world_size()
+    for rank in range(world_size):
+        try:
+            if store.check([f"heartbeat/{rank}"]):
+                stamp, step = store.get(f"heartbeat/{rank}").decode().split()
+                beats[rank] = (now - float(stamp), int(step))
+        except Exception:
+            pass
+    silent = {r: age for r, (age, _) in beats.items() if age > 3 * HEARTBEAT_S}
+    missing = [r for r in range(world_size) if r not in beats]
+    if silent or missing:
+        parts = [f"rank {r} silent for {age:.0f} s" for r, age in sorted(silent.items())]
+        parts += [f"rank {r} never reported" for r in missing]
+        return ", ".join(parts) + " (stopped, killed, or cut off)"
+    steps = {r: step for r, (_, step) in beats.items()}
+    if len(set(steps.values())) > 1:
+        low = min(steps.values())
+        behind = [r for r, step in steps.items() if step == low]
+        return f"rank(s) {behind} behind at step {low}, others at {max(steps.values())} (stuck in their own work)"
+    return "every rank alive and at the same step: a rank is stuck inside a collective, or the network failed"
+
+
+# --- checkpoints ------------------------------------------------------------------------------------------
+def previous_path(path):
+    """checkpoint.pth -> checkpoint.prev.pth, in the same folder (the folder's own name is left alone)."""
+    stem, extension = os.path.splitext(path)
+    return stem + ".prev" + extension
+
+
+def _write_atomically(path, data, before_rename=None):
+    """Write a temporary file, fsync, rename over path: a crash mid-write leaves the old file whole, and a
+    failed write (a full disk) leaves no half file behind. data: bytes, or a function that writes to a file."""
+    tmp = path + ".tmp"
+    try:
+        with open(tmp, "wb") as f:
+            data(f) if callable(data) else f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        if before_rename is not None:
+            before_rename()
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+    directory = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
+    os.fsync(directory)  # the rename itself survives a power cut
+    os.close(directory)
+
+
+def save_checkpoint(state, path, keep_previous=False):
+    """Written atomically. keep_previous: the checkpoint it replaces stays as *.prev.pth, a fallback."""
+    def keep_previous_one():
+        if os.path.isfile(path):
+            previous = previous_path(path)
+            if os.path.exists(previous):
+                os.remove(previous)
+            os.link(path, previous)  # a second name for the old file: path exists throughout
+
+    _write_atomically(path, lambda f: torch.save(state, f), keep_previous_one if keep_previous else None)
+
+
+def read_checkpoint(path):
+    """-> (checkpoint dict, None) or (None, why it cannot be used)."""
+    try:
+        # map_location="cpu": otherwise every rank loads onto the GPU the checkpoint was saved from
+        # (rank 0's), and that GPU holds a copy per rank. weights_only=True: a checkpoint is data, not code.
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:
+        return None, f"cannot be read ({_one_line(error)[:150]}): truncated or not a checkpoint"
+    if not isinstance(checkpoint, dict) or not {"model", "epoch"} <= checkpoint.keys():
+        return None, "is not a checkpoint of main.py (no 'model' and 'epoch' in it)"
+    return checkpoint, None
+
+
+def find_checkpoint(resume, output_dir):
+    """--resume PATH: that file, or a clear error. --resume auto: output_dir/checkpoint.pth, else the one
+    before it, else nothing (a fresh start). -> (checkpoint, path) or (None, "")."""
+    if resume != "auto":
+        if not os.path.isfile(resume):
+            fail(f"--resume {resume}: no such file")
+        checkpoint, problem = read_checkpoint(resume)
+        if problem:
+            fail(f"--resume {resume} {problem}")
+        return checkpoint, resume
+    for name in ("checkpoint.pth", "checkpoint.prev.pth"):
+        path = os.path.join(output_dir, name)
+        if os.path.isfile(path):
+            checkpoint, problem = read_checkpoint(path)
+            if checkpoint is not None:
+                return checkpoint, path
+            log(f"warning: {path} {problem}; trying the one before it")
+    log(f"no usable checkpoint in {output_dir}: starting afresh")
+    return None, ""
+
+
+def load_model_state(model, checkpoint, path, model_name):
+    saved = checkpoint.get("args", {}).get("model")
+    if saved and saved != model_name:
+        fail(f"--resume {path} holds a {saved} model, but this run builds {model_name}: pass --model {saved}")
+    own, theirs = model.state_dict(), checkpoint["model"]
+    wrong = [f"{k} {tuple(v.shape)} vs {tuple(own[k].shape)}" for k, v in theirs.items()
+             if k in own and v.shape != own[k].shape]
+    missing, unexpected = own.keys() - theirs.keys(), theirs.keys() - own.keys()
+    if wrong or missing or unexpected:
+        fail(f"--resume {path} does not fit {model_name} with {NUM_CLASSES} classes: {len(wrong)} tensors of "
+             f"another shape (e.g. {wrong[:1]}), {len(missing)} missing, {len(unexpected)} unexpected")
+    model.load_state_dict(theirs)
+
+
+def resume(args, model, optimizer, scaler, world_size):
+    """--resume PATH|auto (or nothing): load the model and, when training, the optimizer, the GradScaler and the position.
+    -> ({"epoch", "step", "best_miou", "epoch_loss_sum"}, the checkpoint's path or "")."""
+    position = {"epoch": args.start_epoch, "step": 0, "best_miou": float("-inf"), "epoch_loss_sum": 0.0}
+    checkpoint, path = find_checkpoint(args.resume, args.output_dir) if args.resume else (None, "")
+    if checkpoint is None:
+        return position, ""
+    load_model_state(model, checkpoint, path, args.model)
+    where = f"epoch {checkpoint['epoch']}" + (f" step {checkpoint['step']}" if checkpoint.get("step") else "")
+    log(f"resuming from {path} at {where}, best mIoU {checkpoint.get('best_miou', float('nan')):.4f}")
+    if args.evaluate:
+        return position, path
+    optimizer.load_state_dict(checkpoint["optimizer"])
+    if checkpoint["scaler"] and scaler.is_enabled():  # empty when saved without --amp fp16
+        scaler.load_state_dict(checkpoint["scaler"])
+    position = {key: checkpoint[key] for key in position}
+    before = (checkpoint["world_size"], checkpoint["batch_size"])
+    if before != (world_size, args.batch_size):
+        # Another order of images: finish the epoch from the same number of images seen.
+        position["step"] = position["step"] * before[0] * before[1] // (world_size * args.batch_size)
+        log(f"note: the checkpoint was trained with {before[0]} process(es) x {before[1]} images; this run has "
+            f"{world_size} x {args.batch_size}. It continues at the same epoch and learning-rate position, but "
+            "not bitwise as an uninterrupted run would")
+    return position, path
+
+
+class ResumableSampler(DistributedSampler):
+    """PyTorch's DistributedSampler, able to begin an epoch part-way: a run resumed in the middle of an epoch
+    skips the batches it has seen (set `skip` to their number of samples), through the same DataLoader and
+    its persistent workers. The order is DistributedSampler's own, so the rest is what the stopped run
+    would have seen."""
+    skip = 0
+
+    def __iter__(self):
+        indices = list(super().__iter__())
+        return iter(indices[self.skip:])
+
+    def __len__(self):
+        return super().__len__() - self.skip
+
+
+def trim_metrics(path, epoch):
+    """Cut metrics.jsonl back to the epochs before `epoch`: a resumed run writes the later ones again."""
+    if not os.path.isfile(path):
+        return
+    with open(path) as f:
+        kept = [line for line in f if line.strip() and json.loads(line)["epoch"] < epoch]
+    _write_atomically(path, "".join(kept).encode())
