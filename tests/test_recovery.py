@@ -11,6 +11,7 @@ import time
 import pytest
 import torch
 
+import recovery
 from conftest import ROOT, SLOW_ARGS, TRAIN_ARGS, free_port, run
 
 PY = sys.executable
@@ -328,3 +329,79 @@ def test_run_sh_stops_a_mistake_before_torchrun_with_one_line(tiny_data, tmp_pat
     assert result.returncode == 1 and "Traceback" not in output and "torch.distributed" not in output, output
     assert [line for line in output.splitlines() if "error:" in line] == [
         "main.py: error: --amp fp16 needs CUDA; on the CPU use --amp bf16 or no --amp"]
+
+
+# --- defects found by reading (each of these failed before recovery.py) ----------------------------------
+
+def _file_read_by_rank(root, rank, world_size=2, seed=0):
+    """The training image that `rank` reads first in epoch 0 (main.py's sampler, seed and file order)."""
+    from torch.utils.data.distributed import DistributedSampler
+    from dataset import Cityscapes
+    train_set = Cityscapes(root, "train")
+    sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=seed)
+    return train_set.images[next(iter(sampler))]
+
+
+def test_a_bad_file_on_rank_1_is_named_by_rank_1_once_and_restarts_do_not_repeat_it(data24, tmp_path):
+    data = _copy_data(data24, tmp_path)
+    path = _file_read_by_rank(data, rank=1)
+    with open(path, "r+b") as f:  # the header is whole (run.sh's check passes), the pixels are not
+        f.truncate(os.path.getsize(path) // 2)
+    out = str(tmp_path / "out")
+    start = time.time()
+    result = subprocess.run(["./run.sh", "--epochs", "1", *TRAIN_ARGS], cwd=ROOT, capture_output=True, text=True,
+                            env={**CPU_ENV, **_env(data, out, MAX_RESTARTS="2")}, timeout=180)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0, output
+    errors = [line for line in output.splitlines() if "main.py: error:" in line]
+    assert len(errors) == 1, output  # said once: not by rank 0 as a lost peer, not again by each restart
+    assert errors[0].startswith("main.py: error: rank 1: ") and path in errors[0], output
+    assert output.index(errors[0]) < output.index("ChildFailedError"), output  # the program's line first
+    assert output.count("Traceback") == 1 and "torch/distributed/run.py" in output, output  # torchrun's report only
+    assert time.time() - start < 60, output  # the restarts end at once
+
+
+def test_a_resumed_epoch_uses_the_persistent_workers_and_no_others(data24, tmp_path):
+    """A run resumed in the middle of an epoch trains with -j workers, not -j more, and evaluation's
+    workers do not stay beside the training ones."""
+    out = str(tmp_path / "out")
+    common = [PY, "main.py", "--data", data24, "--output-dir", out, *SLOW_ARGS, "-j", "2"]
+    run([*common, "--epochs", "1"])
+    checkpoint = _checkpoint(out)
+    checkpoint["step"] = 2  # as if stopped at step 2 of epoch 1
+    torch.save(checkpoint, os.path.join(out, "checkpoint.pth"))
+    process = _start([*common, "--epochs", "3", "--resume", "auto"], {})
+    counts = {}
+    try:
+        for line in process.stdout:
+            for epoch in (1, 2):
+                if line.startswith(f"epoch {epoch} step ") and not line.startswith(f"epoch {epoch} step 12/"):
+                    with open(f"/proc/{process.pid}/task/{process.pid}/children") as f:
+                        counts.setdefault(epoch, []).append(len(f.read().split()))
+    finally:
+        process.communicate(timeout=120)
+    assert process.returncode == 0
+    assert counts[1][0] == 2 and max(counts[1]) == 2, counts  # the resumed epoch starts at step 3, 2 workers
+    assert max(counts[2]) == 2, counts
+
+
+def test_the_previous_checkpoint_keeps_its_folder_name(tmp_path):
+    folder = tmp_path / "runs.pth" / "x"  # a folder whose name ends like a checkpoint's
+    folder.mkdir(parents=True)
+    path = str(folder / "checkpoint.pth")
+    assert recovery.previous_path(path) == str(folder / "checkpoint.prev.pth")
+    for epoch in (1, 2):
+        recovery.save_checkpoint({"epoch": epoch}, path, keep_previous=True)
+    assert torch.load(str(folder / "checkpoint.prev.pth"), weights_only=True)["epoch"] == 1
+
+
+def test_only_collective_failures_are_taken_for_a_lost_peer():
+    import torch.distributed as dist
+    gloo = RuntimeError("[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:545] Read error [127.0.0.1]:21908: "
+                        "Connection reset by peer")
+    assert recovery.is_collective_failure(gloo)
+    assert recovery.is_collective_failure(dist.DistBackendError("NCCL error: unhandled system error"))
+    assert recovery.is_collective_failure(dist.DistStoreError("Socket Timeout"))
+    for other in ("CUDA error: peer access is not supported between these two devices",
+                  "DataLoader timed out after 30 seconds", "connection to the metrics server was refused"):
+        assert not recovery.is_collective_failure(RuntimeError(other)), other
