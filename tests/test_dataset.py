@@ -1,3 +1,4 @@
+import glob
 import os
 
 import numpy as np
@@ -5,7 +6,7 @@ import torch
 import torchvision
 from PIL import Image
 
-from dataset import ID_TO_TRAINID, IGNORE_INDEX, TRAINID_TO_ID, Cityscapes, train_transform, write_synthetic
+from dataset import ID_TO_TRAINID, IGNORE_INDEX, TRAINID_TO_ID, Cityscapes, draw_street, train_transform, write_synthetic
 
 # The official table (cityscapesScripts labels.py, FIELD-NOTES.md), typed here independently of the code.
 OFFICIAL_TRAIN_IDS = {7: 0, 8: 1, 11: 2, 12: 3, 13: 4, 17: 5, 19: 6, 20: 7, 21: 8, 22: 9, 23: 10, 24: 11, 25: 12,
@@ -83,3 +84,14 @@ def test_persistent_workers_see_the_epoch_and_augmentation_depends_only_on_it(ti
     assert not torch.equal(batches[0][0], batches[1][0])  # the workers saw the new epoch
     train_set.epoch = 0  # and what the workers drew is what this process draws for epoch 0
     assert torch.equal(torch.stack([train_set[i][0] for i in range(len(train_set))]), batches[0][0])
+
+
+def test_photo_frames_are_photo_sized_with_the_scene_labels(tmp_path):
+    plain, photo = draw_street(np.random.default_rng(1), 512, 256), draw_street(np.random.default_rng(1), 512, 256, True)
+    assert np.array_equal(plain[1], photo[1])  # the same scene: labels untouched
+    texture = photo[0].astype(np.float32) - plain[0].astype(np.float32)
+    assert 3 < texture.std() < 40  # visible texture, not a new picture
+    write_synthetic(str(tmp_path), 1, 1, (512, 256), seed=1, photo=True)
+    (path,) = glob.glob(str(tmp_path / "leftImg8bit" / "train" / "*" / "*.png"))
+    # A real 2048x1024 frame: about 2.2 MB, 1.05 bytes a pixel; a plain synthetic one (noise sigma 8) about 2.2.
+    assert 0.9 < os.path.getsize(path) / (512 * 256) < 1.3
