@@ -1,12 +1,16 @@
 """Cityscapes for semantic segmentation: the official layout, the 19 train classes, the augmentation.
 
     from dataset import Cityscapes, normalize
-    train_set = Cityscapes("data/cityscapes", "train", crop_size=(768, 768))
+    train_set = Cityscapes("data/cityscapes", "train", crop_size=(768, 768), cache_dir="data/cache")
     image, label = train_set[0]     # uint8 image (3, 768, 768); uint8 trainIds (768, 768), 255 = ignore
     images = normalize(images.cuda(non_blocking=True))  # float32, ImageNet mean/std, on the GPU
 
 Workers hand over uint8 (4 bytes a pixel with the label, not 13) and leave the float conversion to the
-GPU.
+GPU. With cache_dir, each frame is decoded once and then read as an uncompressed array, memory-mapped:
+a worker reads only the rows of its crop, and the page cache is shared by every worker and rank.
+Fill the cache before training (optional: the first epoch fills it too):
+
+    python dataset.py --prepare-cache data/cache --data data/cityscapes --split train val
 
 No real data at hand? Write a synthetic set in exactly the official layout and file naming (--photo: with
 the texture and noise of photographs, so that files are as large and as slow to decode as real ones):
@@ -15,7 +19,10 @@ the texture and noise of photographs, so that files are as large and as slow to 
 """
 import argparse
 import glob
+import hashlib
+import multiprocessing
 import os
+import secrets
 import sys
 
 import numpy as np
@@ -116,7 +123,7 @@ class BadInput(ValueError):
 
 # ---------------------------------------------------------------------------------------------------
 # Decoding. Both readers return numpy arrays, (H, W, 3) and (H, W) uint8, so that a crop can be sliced
-# out of them before anything is copied.
+# out of them, or out of the cache's memory maps, before anything is copied.
 
 _PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -154,6 +161,56 @@ def read_label(path):
     return label_ids
 
 
+# ---------------------------------------------------------------------------------------------------
+# The decode cache: each frame decoded once, kept as an uncompressed .npy, read through a memory map.
+
+def cache_path(cache_dir, source):
+    """The cache file of a source file. Its name holds a hash of the source's path and one of its size and
+    modification time: a source that changes gets a new name, so a stale entry is never read."""
+    stat = os.stat(source)
+    where = hashlib.sha1(os.path.abspath(source).encode()).hexdigest()[:10]
+    version = hashlib.sha1(f"{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:10]
+    stem = os.path.splitext(os.path.basename(source))[0]
+    return os.path.join(cache_dir, f"{stem}.{where}.{version}.npy")
+
+
+def cached(cache_dir, source, read):
+    """read(source) as an array, from the cache when it holds a sound copy (a memory map: nothing is read
+    until sliced), else decoded and written there. Safe with many processes at once: each writes a file
+    of its own name and renames it into place (atomic), so a reader sees no file or a whole one; two that
+    miss together both decode and write the same bytes."""
+    try:
+        path = cache_path(cache_dir, source)
+    except OSError as error:
+        raise BadInput(f"{source} cannot be read ({error}); replace or remove it") from None
+    try:
+        array = np.load(path, mmap_mode="r")
+        if array.dtype == np.uint8 and array.offset + array.nbytes == os.path.getsize(path):
+            return array
+    except (ValueError, OSError, EOFError):  # none yet, or damaged (truncated, overwritten): decoded below
+        pass
+    array = read(source)
+    temporary = f"{path}.{os.getpid()}-{secrets.token_hex(4)}.tmp"  # unique per process and thread
+    try:
+        with open(temporary, "xb") as f:
+            np.save(f, array)  # no fsync: a file cut short by a crash fails the size check and is rebuilt
+        os.replace(temporary, path)
+    except OSError as error:
+        raise BadInput(f"cannot write the decode cache {path} ({error}); free space there or use another "
+                       "cache folder") from None
+    finally:
+        if os.path.exists(temporary):
+            os.remove(temporary)
+    # Earlier versions of this source (it changed since) are garbage now.
+    for old in glob.glob(path[:path.rindex(".", 0, -4)] + ".*.npy"):
+        if old != path:
+            try:
+                os.remove(old)
+            except FileNotFoundError:  # another process removed it first
+                pass
+    return array
+
+
 class Cityscapes(torchvision.datasets.Cityscapes):
     """torchvision's Cityscapes (it knows the layout), with three things it leaves to the user:
     a file order that is the same on every rank (it lists with os.listdir, whose order is not defined),
@@ -161,10 +218,10 @@ class Cityscapes(torchvision.datasets.Cityscapes):
 
     Returns (image, label): image uint8 (3, H, W), to be normalised with normalize() where it is used;
     label uint8 (H, W) of trainIds, 255 where ignored. With crop_size=None (evaluation) the full
-    resolution.
+    resolution. With cache_dir, decoded frames are kept there (see cached()), and the output is the same.
     """
 
-    def __init__(self, root, split="train", crop_size=None, seed=0):
+    def __init__(self, root, split="train", crop_size=None, seed=0, cache_dir=None):
         get = "README.md says how to get Cityscapes; ./run.sh writes a synthetic set for a demo"
         for sub in ("leftImg8bit", "gtFine"):
             if not os.path.isdir(os.path.join(root, sub, split)):
@@ -187,6 +244,12 @@ class Cityscapes(torchvision.datasets.Cityscapes):
                            "add the leftImg8bit images or remove those labels")
         self.crop_size = crop_size
         self.seed = seed
+        self.cache_dir = cache_dir
+        if cache_dir is not None:
+            try:
+                os.makedirs(cache_dir, exist_ok=True)
+            except OSError as error:
+                raise BadInput(f"cannot make the decode cache folder {cache_dir} ({error}); use another") from None
         # The epoch lives in shared memory: DataLoader workers that persist across epochs see main.py set it.
         # Augmentation is drawn from (seed, epoch, index).
         self._epoch = torch.zeros((), dtype=torch.int64).share_memory_()
@@ -215,9 +278,12 @@ class Cityscapes(torchvision.datasets.Cityscapes):
                                f"{sizes[0][0]}x{sizes[0][1]}; they must match")
 
     def frame(self, index):
-        """The decoded (image (H, W, 3), labelIds (H, W)) of one sample, as numpy arrays."""
+        """The decoded (image (H, W, 3), labelIds (H, W)) of one sample: arrays, or the cache's memory maps."""
         image_path, label_path = self.images[index], self.targets[index][0]
-        image, label_ids = read_image(image_path), read_label(label_path)
+        if self.cache_dir is None:
+            image, label_ids = read_image(image_path), read_label(label_path)
+        else:
+            image, label_ids = cached(self.cache_dir, image_path, read_image), cached(self.cache_dir, label_path, read_label)
         if image.shape[:2] != label_ids.shape:
             raise BadInput(f"{label_path} is {label_ids.shape[1]}x{label_ids.shape[0]} but its image is "
                            f"{image.shape[1]}x{image.shape[0]}; they must match")
@@ -226,12 +292,12 @@ class Cityscapes(torchvision.datasets.Cityscapes):
     def __getitem__(self, index):
         image, label_ids = self.frame(index)
         if self.crop_size is None:
-            image = torch.from_numpy(np.array(image)).permute(2, 0, 1)
+            image = torch.from_numpy(np.array(image)).permute(2, 0, 1)  # np.array copies, even a memory map
         else:
             generator = sample_generator(self.seed, self.epoch, index)
             (top, left, height, width), out_size, flip = crop_window(image.shape[:2], self.crop_size, generator)
-            # Slice, then copy (np.array) only the region, in (H, W, 3) order, in which torchvision's uint8
-            # resize is fastest (3-4x).
+            # Slice, then copy (np.array): from a memory map only the region's rows are read. The copy is
+            # in (H, W, 3) order, in which torchvision's uint8 resize is fastest (3-4x).
             region = np.array(image[top:top + height, left:left + width])
             label_region = np.array(label_ids[top:top + height, left:left + width])
             image, label = resize_pad_flip(tv_tensors.Image(torch.from_numpy(region).permute(2, 0, 1)),
@@ -409,16 +475,52 @@ def write_synthetic(root, num_train=200, num_val=50, size=(256, 128), seed=0, ph
             Image.fromarray(label).save(os.path.join(label_dir, f"{stem}_gtFine_labelIds.png"))
 
 
+_preparing = None  # the data set a prepare_cache worker process fills the cache for
+
+
+def _set_preparing(data):
+    global _preparing
+    _preparing = data
+
+
+def _cache_frame(index):
+    _preparing.frame(index)  # returns nothing: no pixels travel back to the parent process
+
+
+def prepare_cache(root, cache_dir, splits, workers):
+    """Decode every frame of the splits into cache_dir, `workers` processes at a time."""
+    for split in splits:
+        data = Cityscapes(root, split, cache_dir=cache_dir)
+        with multiprocessing.Pool(workers, initializer=_set_preparing, initargs=(data,)) as pool:
+            for done, _ in enumerate(pool.imap_unordered(_cache_frame, range(len(data)), chunksize=4), 1):
+                if done % 100 == 0 or done == len(data):
+                    print(f"{split}: {done}/{len(data)} frames cached", flush=True)
+    size = sum(os.path.getsize(os.path.join(cache_dir, f)) for f in os.listdir(cache_dir) if f.endswith(".npy"))
+    print(f"{cache_dir} holds {size / 2**30:.2f} GiB")
+
+
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description="Write a synthetic Cityscapes in the official layout.")
-    parser.add_argument("--synthetic", metavar="DIR", required=True, help="folder to write the data set into")
+    parser = argparse.ArgumentParser(description="Write a synthetic Cityscapes in the official layout, or fill "
+                                                 "a decode cache from a Cityscapes folder.")
+    task = parser.add_mutually_exclusive_group(required=True)
+    task.add_argument("--synthetic", metavar="DIR", help="folder to write a synthetic data set into")
+    task.add_argument("--prepare-cache", metavar="CACHE_DIR", help="decode --data's frames into this folder")
     parser.add_argument("--num-train", type=int, default=200)
     parser.add_argument("--num-val", type=int, default=50)
     parser.add_argument("--size", type=int, nargs=2, default=(256, 128), metavar=("W", "H"))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--photo", action="store_true", help="photo-like frames: as large and slow to decode "
                                                              "as real ones (about 1.5 s each to write at 2048x1024)")
+    parser.add_argument("--data", default="data/cityscapes", help="with --prepare-cache: the Cityscapes root")
+    parser.add_argument("--split", nargs="+", default=["train", "val"], help="with --prepare-cache")
+    parser.add_argument("-j", "--workers", type=int, default=os.cpu_count(), help="with --prepare-cache")
     args = parser.parse_args()
+    if args.prepare_cache:
+        try:
+            prepare_cache(args.data, args.prepare_cache, args.split, args.workers)
+        except BadInput as error:
+            sys.exit(f"dataset.py: {error}")
+        sys.exit()
     if min(args.size) < 16 or args.num_train < 1 or args.num_val < 1:
         sys.exit("dataset.py: --size must be at least 16 16 and --num-train, --num-val at least 1")
     write_synthetic(args.synthetic, args.num_train, args.num_val, tuple(args.size), args.seed, args.photo)

@@ -1,6 +1,8 @@
 import glob
+import multiprocessing
 import os
 import shutil
+import threading
 
 import numpy as np
 import pytest
@@ -162,13 +164,116 @@ def copy_of(tiny_data, tmp_path):
     return root
 
 
-def test_a_truncated_image_or_label_is_a_bad_input_naming_the_file(tiny_data, tmp_path):
+@pytest.mark.parametrize("cached", [False, True])
+def test_a_truncated_image_or_label_is_a_bad_input_naming_the_file(tiny_data, tmp_path, cached):
     root = copy_of(tiny_data, tmp_path)
+    cache_dir = str(tmp_path / "cache") if cached else None
     for which in ("images", "targets"):
-        data = Cityscapes(root, "val", crop_size=(16, 16))
+        data = Cityscapes(root, "val", crop_size=(16, 16), cache_dir=cache_dir)
         index = 1 if which == "images" else 2
         path = data.images[index] if which == "images" else data.targets[index][0]
         with open(path, "r+b") as f:
             f.truncate(os.path.getsize(path) // 2)
         with pytest.raises(BadInput, match=f"{path} cannot be decoded .*; replace or remove it"):
             data[index]
+
+
+def outputs(data, epochs=(0, 1)):
+    result = []
+    for epoch in epochs:
+        data.epoch = epoch
+        result += [data[i] for i in range(len(data))]
+    return result
+
+
+def assert_same(a, b):
+    assert len(a) == len(b)
+    for (image_a, label_a), (image_b, label_b) in zip(a, b):
+        assert torch.equal(image_a, image_b) and torch.equal(label_a, label_b)
+
+
+def test_a_cached_run_is_bitwise_the_uncached_run(tiny_data, tmp_path):
+    cache_dir = str(tmp_path / "cache")
+    for split, crop in (("train", (40, 40)), ("val", None)):
+        reference = outputs(Cityscapes(tiny_data, split, crop, seed=3))
+        filling = outputs(Cityscapes(tiny_data, split, crop, seed=3, cache_dir=cache_dir))  # decodes, writes
+        from_cache = Cityscapes(tiny_data, split, crop, seed=3, cache_dir=cache_dir)
+        assert isinstance(from_cache.frame(0)[0], np.memmap)  # read from the cache, not decoded
+        assert_same(reference, filling)
+        assert_same(reference, outputs(from_cache))
+    assert len(glob.glob(os.path.join(cache_dir, "*.npy"))) == 2 * (8 + 5)
+
+
+def _read_all(root, cache_dir, queue):
+    queue.put([(image.sum().item(), label.sum().item()) for image, label in outputs(
+        Cityscapes(root, "train", (24, 24), cache_dir=cache_dir), epochs=(0,))])
+
+
+def test_many_processes_and_threads_filling_one_empty_cache_agree(tiny_data, tmp_path):
+    cache_dir = str(tmp_path / "cache")
+    expected = [(image.sum().item(), label.sum().item()) for image, label in outputs(
+        Cityscapes(tiny_data, "train", (24, 24)), epochs=(0,))]
+    context = multiprocessing.get_context("fork")
+    queue = context.Queue()
+    processes = [context.Process(target=_read_all, args=(tiny_data, cache_dir, queue)) for _ in range(4)]
+    threads = [threading.Thread(target=_read_all, args=(tiny_data, cache_dir, queue)) for _ in range(3)]
+    for worker in processes + threads:
+        worker.start()
+    results = [queue.get(timeout=120) for _ in processes + threads]
+    for worker in processes + threads:
+        worker.join()
+    assert results == [expected] * 7
+    assert sorted(os.listdir(cache_dir)) == sorted(f for f in os.listdir(cache_dir) if f.endswith(".npy"))  # no temp
+    assert len(os.listdir(cache_dir)) == 2 * 8
+
+
+def test_an_interrupted_cache_write_leaves_no_cache_file(tiny_data, tmp_path, monkeypatch):
+    cache_dir = str(tmp_path / "cache")
+    data = Cityscapes(tiny_data, "val", cache_dir=cache_dir)
+
+    def save_half_then_die(f, array):
+        f.write(b"\x93NUMPY")
+        raise KeyboardInterrupt  # as a Ctrl-C in the middle of writing
+
+    monkeypatch.setattr(np, "save", save_half_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        data[0]
+    assert os.listdir(cache_dir) == []  # neither a half file under the final name nor a temporary
+    monkeypatch.undo()
+    assert_same([data[0]], [Cityscapes(tiny_data, "val")[0]])
+
+
+def test_a_changed_source_is_decoded_again_not_served_stale(tiny_data, tmp_path):
+    root, cache_dir = copy_of(tiny_data, tmp_path), str(tmp_path / "cache")
+    data = Cityscapes(root, "val", cache_dir=cache_dir)
+    before = data[2]
+    image = np.array(Image.open(data.images[2]))
+    Image.fromarray(255 - image).save(data.images[2])  # a new version of the frame
+    after = data[2]
+    assert torch.equal(after[0], 255 - before[0])
+    assert_same([after], [Cityscapes(root, "val")[2]])
+    assert len(glob.glob(os.path.join(cache_dir, "*.npy"))) == 2  # the old version's file is gone
+
+
+@pytest.mark.parametrize("damage", ["truncated", "header overwritten"])
+def test_a_damaged_cache_file_is_rebuilt_not_trusted(tiny_data, tmp_path, damage):
+    cache_dir = str(tmp_path / "cache")
+    reference = outputs(Cityscapes(tiny_data, "val", (16, 16)))
+    outputs(Cityscapes(tiny_data, "val", (16, 16), cache_dir=cache_dir))
+    for path in glob.glob(os.path.join(cache_dir, "*.npy")):
+        with open(path, "r+b") as f:
+            if damage == "truncated":
+                f.truncate(os.path.getsize(path) - 7)
+            else:
+                f.write(b"garbage")
+    assert_same(reference, outputs(Cityscapes(tiny_data, "val", (16, 16), cache_dir=cache_dir)))
+    data = Cityscapes(tiny_data, "val", cache_dir=cache_dir)
+    assert all(isinstance(array, np.memmap) for array in data.frame(0))  # whole again
+
+
+def test_prepare_cache_fills_the_cache_that_training_reads(tiny_data, tmp_path):
+    cache_dir = str(tmp_path / "cache")
+    dataset.prepare_cache(tiny_data, cache_dir, ["train", "val"], workers=2)
+    assert len(glob.glob(os.path.join(cache_dir, "*.npy"))) == 2 * (8 + 5)
+    data = Cityscapes(tiny_data, "train", (24, 24), cache_dir=cache_dir)
+    assert all(isinstance(array, np.memmap) for index in range(len(data)) for array in data.frame(index))
