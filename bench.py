@@ -1,6 +1,7 @@
 """Measure, side by side in one run, and print ratios against their targets.
 
     python bench.py              # the CPU: DDP scaling, loop overhead, data pipeline, memory, evaluation
+    python bench.py --data       # the data pipeline alone: decoders, the decode cache, prefetch_factor
     python bench.py --gpu        # one GPU: DeepLabV3+ ResNet-101, crop 768, batch 8, per precision/layout;
                                  # with 2 or more GPUs also DataParallel against DDP, throughput and memory
 
@@ -8,6 +9,7 @@ Each configuration runs the same model, batch and step (forward, cross-entropy, 
 random images; the first steps (and torch.compile's compilation) are left out of the timing.
 """
 import argparse
+import glob
 import json
 import os
 import subprocess
@@ -40,31 +42,96 @@ def _rate(fn, seconds):
     return count / (time.perf_counter() - start)
 
 
-def bench_data(root, seconds):
-    """Images per second per worker: our training transform against resize-the-whole-image-then-crop
-    (torchvision's segmentation reference), both from the PNG files to normalised tensors, crop 768."""
-    ours = dataset.Cityscapes(root, "train", crop_size=(768, 768))
+def today_getitem(data, index):
+    """Cityscapes.__getitem__ as it was before the uint8 pipeline, kept as the baseline: PIL decodes and
+    converts, the whole frame is a tensor before the crop, the worker normalises to float32."""
+    image_path, label_path = data.images[index], data.targets[index][0]
+    with Image.open(image_path) as f:
+        image = tv_tensors.Image(torch.from_numpy(np.array(f.convert("RGB"))).permute(2, 0, 1))
+    with Image.open(label_path) as f:
+        label_ids = np.array(f)
+    if label_ids.ndim != 2 or label_ids.dtype != np.uint8 or int(label_ids.max()) > dataset.MAX_LABEL_ID:
+        raise dataset.BadInput(f"{label_path} is not a Cityscapes labelIds image")
+    generator = dataset.sample_generator(data.seed, data.epoch, index)
+    image, label = dataset.train_transform(image, tv_tensors.Mask(torch.from_numpy(label_ids)[None]),
+                                           data.crop_size, generator)
+    label = torch.from_numpy(dataset.ID_TO_TRAINID.numpy()[label[0].numpy()])
+    image = v2.functional.normalize(v2.functional.to_dtype(image, torch.float32, scale=True), dataset.MEAN, dataset.STD)
+    return image.as_subclass(torch.Tensor), label
+
+
+def bench_data(root, cache_dir, crop, seconds):
+    """Seconds per sample in one worker (one thread) for each way of making a training sample from the
+    PNG files, measured in turns (one sample of each, in a rotating order, again and again) so that other
+    load on the machine slows all of them alike; medians. Returns ({name: seconds}, {name: bytes a sample})."""
+    ours = dataset.Cityscapes(root, "train", crop_size=(crop, crop))
+    cached = dataset.Cityscapes(root, "train", crop_size=(crop, crop), cache_dir=cache_dir)
+    for index in range(len(cached)):
+        cached.frame(index)  # fill the cache: "warm" is a cache already written, in the page cache
     reference_transform = v2.Compose([
-        v2.RandomResize(512, 2048),  # the shorter side 1024 times 0.5-2.0, the whole image
-        v2.RandomCrop(768, pad_if_needed=True, fill={tv_tensors.Image: 0, tv_tensors.Mask: 255}),
-        v2.RandomHorizontalFlip(), v2.ToDtype({tv_tensors.Image: torch.float32, "others": None}, scale=True),
-        v2.Normalize(dataset.MEAN, dataset.STD)])
-    counter = {"i": 0}
+        v2.RandomResize(crop * 2 // 3, crop * 8 // 3),  # torchvision's reference: scale the whole image
+        v2.RandomCrop(crop, pad_if_needed=True, fill={tv_tensors.Image: 0, tv_tensors.Mask: 255}),
+        v2.RandomHorizontalFlip()])
 
-    def reference():
-        i = counter["i"] = (counter["i"] + 1) % len(ours)
-        with Image.open(ours.images[i]) as f:
-            image = tv_tensors.Image(torch.from_numpy(np.array(f.convert("RGB"))).permute(2, 0, 1))
-        with Image.open(ours.targets[i][0]) as f:
-            label = tv_tensors.Mask(dataset.ID_TO_TRAINID[torch.from_numpy(np.array(f)).long()][None])
-        reference_transform(image, label)
+    def resize_then_crop(index):  # the same decoding and output as ours, the whole frame resized
+        image = tv_tensors.Image(torch.from_numpy(np.array(dataset.read_image(ours.images[index]))).permute(2, 0, 1))
+        label_ids = dataset.read_label(ours.targets[index][0])
+        _, label = reference_transform(image, tv_tensors.Mask(torch.from_numpy(label_ids)[None]))
+        return _, torch.from_numpy(dataset.ID_TO_TRAINID.numpy()[label[0].numpy()])
 
-    def mine():
-        counter["i"] = (counter["i"] + 1) % len(ours)
-        ours[counter["i"]]
+    def ours_with_pil(index):  # ours, with PIL as the decoder instead of torchcodec
+        decoder, dataset._torchcodec_decode = dataset._torchcodec_decode, None
+        try:
+            return ours[index]
+        finally:
+            dataset._torchcodec_decode = decoder
 
-    theirs, ours_rate = _rate(reference, seconds), _rate(mine, seconds)
-    return ours_rate, theirs
+    ways = {"today": lambda i: today_getitem(ours, i), "ours": ours.__getitem__, "ours, PIL decoding": ours_with_pil,
+            "ours, cached": cached.__getitem__, "resize-then-crop": resize_then_crop,
+            "decode alone": lambda i: (dataset.read_image(ours.images[i]), dataset.read_label(ours.targets[i][0]))}
+    times = {name: [] for name in ways}
+    sizes = {name: sum(t.numel() * t.element_size() for t in way(0)) for name, way in ways.items() if name != "decode alone"}
+    names, turn, start = list(ways), 0, time.perf_counter()
+    while turn < 3 or time.perf_counter() - start < seconds * len(ways):
+        index = turn % len(ours)
+        for name in names[turn % len(names):] + names[:turn % len(names)]:
+            began = time.perf_counter()
+            ways[name](index)
+            times[name].append(time.perf_counter() - began)
+        turn += 1
+    return {name: float(np.median(t)) for name, t in times.items()}, sizes
+
+
+def _sleepy_consumer(root, cache_dir, crop, batch, prefetch_factor, step_s, steps):
+    """Seconds the training loop waited for data over `steps` steps, each `step_s` of (sleeping) compute."""
+    data = dataset.Cityscapes(root, "train", crop_size=(crop, crop), cache_dir=cache_dir)
+    sampler = torch.utils.data.RandomSampler(data, replacement=True, num_samples=batch * (steps + 4),
+                                             generator=torch.Generator().manual_seed(0))
+    loader = torch.utils.data.DataLoader(data, batch_size=batch, sampler=sampler, num_workers=2,
+                                         prefetch_factor=prefetch_factor)
+    waited, batches = 0.0, iter(loader)
+    for step in range(steps + 4):
+        began = time.perf_counter()
+        next(batches)
+        if step >= 4:  # the first batches wait for the workers to start
+            waited += time.perf_counter() - began
+        time.sleep(step_s)
+    return waited
+
+
+def bench_prefetch(root, crop, batch, steps):
+    """Data wait per step with 2 workers, prefetch_factor 2 against 4. The workers' own time a batch is
+    measured first (a consumer that takes no time), under whatever else loads the machine; then consumers
+    that take 1.2x and 0.8x that per step, the two factors alternated, medians of 3."""
+    batch_s = _sleepy_consumer(root, None, crop, batch, 2, 0.0, steps) / steps
+    results = {}
+    for speed in (1.2, 0.8):
+        waits = {2: [], 4: []}
+        for _ in range(3):
+            for factor in waits:
+                waits[factor].append(_sleepy_consumer(root, None, crop, batch, factor, speed * batch_s, steps) / steps)
+        results[speed] = (speed * batch_s, {factor: float(np.median(w)) for factor, w in waits.items()})
+    return batch_s, results
 
 
 # --- the CPU: DDP scaling and loop overhead ----------------------------------------------------------------
@@ -179,13 +246,7 @@ def bench_cpu(quick):
     rows.append(("main.py's step vs a bare step", f"{overhead * 100:+.2f}%", "<= 2%", overhead <= 0.02))
 
     with tempfile.TemporaryDirectory() as tmp:
-        full = os.path.join(tmp, "full")
-        dataset.write_synthetic(full, num_train=2 if quick else 6, num_val=1, size=(2048, 1024), seed=1)
-        torch.set_num_threads(1)
-        ours, reference = bench_data(full, 1 if quick else 6)
-        print(f"3. data, 2048x1024 PNG to a 768 crop, per worker: ours {ours:.1f} img/s, resize-then-crop "
-              f"{reference:.1f} img/s (synthetic PNGs: decoding them takes most of either)")
-        rows.append(("data pipeline vs resize-then-crop", f"{ours / reference:.2f}x", ">= 1.7x", ours / reference >= 1.7))
+        rows += data_section(tmp, quick)
 
         data = os.path.join(tmp, "data")
         size_wh = (256, 128) if quick else (1024, 512)
@@ -211,9 +272,44 @@ def bench_cpu(quick):
               f"{times[1]:.2f} s, 2 processes {times[2]:.2f} s (speed-up {times[1] / times[2]:.2f}x)")
         rows.append(("evaluation speed-up, 2 processes vs 1", f"{times[1] / times[2]:.2f}x", "(reported)", None))
 
+    print_table(rows)
+
+
+def print_table(rows):
     print(f"\n{'measure':<46} {'measured':>9} {'target':>9}  met")
     for what, measured, target, met in rows:
         print(f"{what:<46} {measured:>9} {target:>9}  {'-' if met is None else 'yes' if met else 'NO'}")
+
+
+def data_section(tmp, quick):
+    """3. The data pipeline on photo-like frames (as large and as slow to decode as real ones)."""
+    torch.set_num_threads(1)  # a DataLoader worker's share
+    root, cache_dir = os.path.join(tmp, "photo"), os.path.join(tmp, "cache")
+    size, crop = ((1024, 512), 384) if quick else ((2048, 1024), 768)
+    dataset.write_synthetic(root, num_train=2 if quick else 6, num_val=1, size=size, seed=1, photo=True)
+    times, sizes = bench_data(root, cache_dir, crop, 0.3 if quick else 6)
+    decoder = "torchcodec" if dataset._torchcodec_decode is not None else "PIL (torchcodec not installed)"
+    print(f"3. data, photo-like {size[0]}x{size[1]} PNGs ({os.path.getsize(glob.glob(os.path.join(root, 'leftImg8bit', 'train', '*', '*'))[0]) / 1e6:.1f} MB) "
+          f"to a {crop} crop, one worker, one thread, decoder {decoder}; samples/s:")
+    print("   " + ", ".join(f"{name} {1 / t:.1f}" for name, t in times.items()))
+    today, ours, cached = times["today"], times["ours"], times["ours, cached"]
+    overhead = ours / times["decode alone"]
+    print(f"   bytes a sample leaves a worker with: ours {sizes['ours']:,} (uint8), today {sizes['today']:,} "
+          f"(float32 image)")
+    rows = [("data pipeline vs resize-then-crop", f"{times['resize-then-crop'] / ours:.2f}x", ">= 1.7x",
+             times["resize-then-crop"] / ours >= 1.7),
+            ("data: ours vs today's (PIL, float in worker)", f"{today / ours:.2f}x", ">= 1.5x", today / ours >= 1.5),
+            ("data: cached (warm) vs today's", f"{today / cached:.2f}x", ">= 6x", today / cached >= 6),
+            ("data: sample time / its decode time", f"{overhead:.2f}x", "< 1.35x", overhead < 1.35),
+            ("data: bytes a sample, today's / ours", f"{sizes['today'] / sizes['ours']:.2f}x", "(reported)", None)]
+    if not quick:
+        batch = 4
+        batch_s, results = bench_prefetch(root, crop, batch, 20)
+        print(f"   DataLoader, 2 workers, batch {batch}, uncached: a batch every {batch_s * 1000:.0f} ms")
+        for speed, (step_s, waits) in results.items():
+            print(f"   a step of {step_s * 1000:.0f} ms ({speed}x that): data wait a step, prefetch_factor 2: "
+                  f"{waits[2] * 1000:.1f} ms, 4: {waits[4] * 1000:.1f} ms")
+    return rows
 
 
 # --- one GPU ----------------------------------------------------------------------------------------------------
@@ -329,6 +425,7 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--gpu", action="store_true", help="the single-GPU precision/layout table")
     parser.add_argument("--quick", action="store_true", help="tiny sizes: checks that it runs, not timings")
+    parser.add_argument("--data", action="store_true", help="the data pipeline's measures alone (section 3)")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--crop", type=int, default=768)
     parser.add_argument("--steps", type=int, default=20)
@@ -340,5 +437,9 @@ if __name__ == "__main__":
         bench_gpu(args.batch, args.crop, args.steps, args.warmup)
         if torch.cuda.device_count() >= 2:
             bench_dp_vs_ddp(args.batch, args.crop, args.steps, args.warmup)
+    elif args.data:
+        print(f"CPU: {os.cpu_count()} cores, torch {torch.__version__}")
+        with tempfile.TemporaryDirectory() as tmp:
+            print_table(data_section(tmp, args.quick))
     else:
         bench_cpu(args.quick)

@@ -1,11 +1,19 @@
+import glob
+import multiprocessing
 import os
+import shutil
+import threading
 
 import numpy as np
+import pytest
 import torch
 import torchvision
 from PIL import Image
+from torchvision.transforms.v2 import functional as F
 
-from dataset import ID_TO_TRAINID, IGNORE_INDEX, TRAINID_TO_ID, Cityscapes, train_transform, write_synthetic
+import dataset
+from dataset import (ID_TO_TRAINID, IGNORE_INDEX, MEAN, STD, TRAINID_TO_ID, BadInput, Cityscapes, draw_street,
+                     normalize, read_image, read_label, sample_generator, train_transform, write_synthetic)
 
 # The official table (cityscapesScripts labels.py, FIELD-NOTES.md), typed here independently of the code.
 OFFICIAL_TRAIN_IDS = {7: 0, 8: 1, 11: 2, 12: 3, 13: 4, 17: 5, 19: 6, 20: 7, 21: 8, 22: 9, 23: 10, 24: 11, 25: 12,
@@ -83,3 +91,189 @@ def test_persistent_workers_see_the_epoch_and_augmentation_depends_only_on_it(ti
     assert not torch.equal(batches[0][0], batches[1][0])  # the workers saw the new epoch
     train_set.epoch = 0  # and what the workers drew is what this process draws for epoch 0
     assert torch.equal(torch.stack([train_set[i][0] for i in range(len(train_set))]), batches[0][0])
+
+
+def test_samples_are_uint8_and_the_crop_read_first_is_train_transform_of_the_whole_frame(tiny_data):
+    train_set = Cityscapes(tiny_data, "train", crop_size=(48, 48), seed=5)
+    for epoch in (0, 1):
+        train_set.epoch = epoch
+        for index in range(len(train_set)):
+            image, label = train_set[index]
+            assert image.dtype == label.dtype == torch.uint8
+            assert image.shape == (3, 48, 48) and label.shape == (48, 48)
+            # The same draw applied to the whole decoded frame, as train_transform does it.
+            with Image.open(train_set.images[index]) as f:
+                whole = torchvision.tv_tensors.Image(torch.from_numpy(np.array(f.convert("RGB"))).permute(2, 0, 1))
+            with Image.open(train_set.targets[index][0]) as f:
+                whole_label = torchvision.tv_tensors.Mask(torch.from_numpy(np.array(f))[None])
+            expected_image, expected_label = train_transform(whole, whole_label, (48, 48),
+                                                             sample_generator(5, epoch, index))
+            assert torch.equal(image, expected_image)
+            assert torch.equal(label, ID_TO_TRAINID[expected_label[0].long()])
+
+
+def test_normalize_equals_torchvision_float_conversion_on_every_device():
+    generator = torch.Generator().manual_seed(0)
+    batch = torch.randint(0, 256, (2, 3, 8, 16), dtype=torch.uint8, generator=generator)
+    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    for device in devices:
+        for images in (batch.to(device), batch[0].to(device)):
+            out = normalize(images)
+            assert out.dtype == torch.float32 and out.device == images.device
+            assert torch.equal(out, F.normalize(F.to_dtype(images, torch.float32, scale=True), MEAN, STD))
+
+
+def test_photo_frames_are_photo_sized_with_the_scene_labels(tmp_path):
+    plain, photo = draw_street(np.random.default_rng(1), 512, 256), draw_street(np.random.default_rng(1), 512, 256, True)
+    assert np.array_equal(plain[1], photo[1])  # the same scene: labels untouched
+    texture = photo[0].astype(np.float32) - plain[0].astype(np.float32)
+    assert 3 < texture.std() < 40  # visible texture, not a new picture
+    write_synthetic(str(tmp_path), 1, 1, (512, 256), seed=1, photo=True)
+    (path,) = glob.glob(str(tmp_path / "leftImg8bit" / "train" / "*" / "*.png"))
+    # A real 2048x1024 frame: about 2.2 MB, 1.05 bytes a pixel; a plain synthetic one (noise sigma 8) about 2.2.
+    assert 0.9 < os.path.getsize(path) / (512 * 256) < 1.3
+
+
+@pytest.mark.parametrize("decoder", ["torchcodec", "PIL"])
+def test_decoded_pixels_and_label_indices_are_bitwise_pil_s(tmp_path, monkeypatch, decoder):
+    if decoder == "PIL":  # what decodes where torchcodec is not installed
+        monkeypatch.setattr(dataset, "_torchcodec_decode", None)
+    else:
+        pytest.importorskip("torchcodec")
+    image, label_ids = draw_street(np.random.default_rng(2), 128, 64, photo=True)
+    Image.fromarray(image).save(tmp_path / "rgb.png")
+    Image.fromarray(image).convert("RGBA").save(tmp_path / "rgba.png")
+    Image.fromarray(label_ids).save(tmp_path / "grey.png")
+    palette = Image.fromarray(label_ids).convert("P")  # indices, with colours unlike them
+    palette.putpalette([(i * 37) % 256 for i in range(768)])
+    palette.save(tmp_path / "palette.png")
+    for name in ("rgb", "rgba"):
+        with Image.open(tmp_path / f"{name}.png") as f:
+            assert np.array_equal(read_image(str(tmp_path / f"{name}.png")), np.array(f.convert("RGB")))
+    assert np.array_equal(read_image(str(tmp_path / "rgb.png")), image)
+    for name in ("grey", "palette"):
+        assert np.array_equal(read_label(str(tmp_path / f"{name}.png")), label_ids), name
+    Image.fromarray(label_ids.astype(np.uint16) * 1000).save(tmp_path / "sixteen.png")
+    with pytest.raises(BadInput, match="sixteen.png is not a Cityscapes labelIds image"):
+        read_label(str(tmp_path / "sixteen.png"))
+
+
+def copy_of(tiny_data, tmp_path):
+    root = str(tmp_path / "data")
+    shutil.copytree(tiny_data, root)
+    return root
+
+
+@pytest.mark.parametrize("cached", [False, True])
+def test_a_truncated_image_or_label_is_a_bad_input_naming_the_file(tiny_data, tmp_path, cached):
+    root = copy_of(tiny_data, tmp_path)
+    cache_dir = str(tmp_path / "cache") if cached else None
+    for which in ("images", "targets"):
+        data = Cityscapes(root, "val", crop_size=(16, 16), cache_dir=cache_dir)
+        index = 1 if which == "images" else 2
+        path = data.images[index] if which == "images" else data.targets[index][0]
+        with open(path, "r+b") as f:
+            f.truncate(os.path.getsize(path) // 2)
+        with pytest.raises(BadInput, match=f"{path} cannot be decoded .*; replace or remove it"):
+            data[index]
+
+
+def outputs(data, epochs=(0, 1)):
+    result = []
+    for epoch in epochs:
+        data.epoch = epoch
+        result += [data[i] for i in range(len(data))]
+    return result
+
+
+def assert_same(a, b):
+    assert len(a) == len(b)
+    for (image_a, label_a), (image_b, label_b) in zip(a, b):
+        assert torch.equal(image_a, image_b) and torch.equal(label_a, label_b)
+
+
+def test_a_cached_run_is_bitwise_the_uncached_run(tiny_data, tmp_path):
+    cache_dir = str(tmp_path / "cache")
+    for split, crop in (("train", (40, 40)), ("val", None)):
+        reference = outputs(Cityscapes(tiny_data, split, crop, seed=3))
+        filling = outputs(Cityscapes(tiny_data, split, crop, seed=3, cache_dir=cache_dir))  # decodes, writes
+        from_cache = Cityscapes(tiny_data, split, crop, seed=3, cache_dir=cache_dir)
+        assert isinstance(from_cache.frame(0)[0], np.memmap)  # read from the cache, not decoded
+        assert_same(reference, filling)
+        assert_same(reference, outputs(from_cache))
+    assert len(glob.glob(os.path.join(cache_dir, "*.npy"))) == 2 * (8 + 5)
+
+
+def _read_all(root, cache_dir, queue):
+    queue.put([(image.sum().item(), label.sum().item()) for image, label in outputs(
+        Cityscapes(root, "train", (24, 24), cache_dir=cache_dir), epochs=(0,))])
+
+
+def test_many_processes_and_threads_filling_one_empty_cache_agree(tiny_data, tmp_path):
+    cache_dir = str(tmp_path / "cache")
+    expected = [(image.sum().item(), label.sum().item()) for image, label in outputs(
+        Cityscapes(tiny_data, "train", (24, 24)), epochs=(0,))]
+    context = multiprocessing.get_context("fork")
+    queue = context.Queue()
+    processes = [context.Process(target=_read_all, args=(tiny_data, cache_dir, queue)) for _ in range(4)]
+    threads = [threading.Thread(target=_read_all, args=(tiny_data, cache_dir, queue)) for _ in range(3)]
+    for worker in processes + threads:
+        worker.start()
+    results = [queue.get(timeout=120) for _ in processes + threads]
+    for worker in processes + threads:
+        worker.join()
+    assert results == [expected] * 7
+    assert sorted(os.listdir(cache_dir)) == sorted(f for f in os.listdir(cache_dir) if f.endswith(".npy"))  # no temp
+    assert len(os.listdir(cache_dir)) == 2 * 8
+
+
+def test_an_interrupted_cache_write_leaves_no_cache_file(tiny_data, tmp_path, monkeypatch):
+    cache_dir = str(tmp_path / "cache")
+    data = Cityscapes(tiny_data, "val", cache_dir=cache_dir)
+
+    def save_half_then_die(f, array):
+        f.write(b"\x93NUMPY")
+        raise KeyboardInterrupt  # as a Ctrl-C in the middle of writing
+
+    monkeypatch.setattr(np, "save", save_half_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        data[0]
+    assert os.listdir(cache_dir) == []  # neither a half file under the final name nor a temporary
+    monkeypatch.undo()
+    assert_same([data[0]], [Cityscapes(tiny_data, "val")[0]])
+
+
+def test_a_changed_source_is_decoded_again_not_served_stale(tiny_data, tmp_path):
+    root, cache_dir = copy_of(tiny_data, tmp_path), str(tmp_path / "cache")
+    data = Cityscapes(root, "val", cache_dir=cache_dir)
+    before = data[2]
+    image = np.array(Image.open(data.images[2]))
+    Image.fromarray(255 - image).save(data.images[2])  # a new version of the frame
+    after = data[2]
+    assert torch.equal(after[0], 255 - before[0])
+    assert_same([after], [Cityscapes(root, "val")[2]])
+    assert len(glob.glob(os.path.join(cache_dir, "*.npy"))) == 2  # the old version's file is gone
+
+
+@pytest.mark.parametrize("damage", ["truncated", "header overwritten"])
+def test_a_damaged_cache_file_is_rebuilt_not_trusted(tiny_data, tmp_path, damage):
+    cache_dir = str(tmp_path / "cache")
+    reference = outputs(Cityscapes(tiny_data, "val", (16, 16)))
+    outputs(Cityscapes(tiny_data, "val", (16, 16), cache_dir=cache_dir))
+    for path in glob.glob(os.path.join(cache_dir, "*.npy")):
+        with open(path, "r+b") as f:
+            if damage == "truncated":
+                f.truncate(os.path.getsize(path) - 7)
+            else:
+                f.write(b"garbage")
+    assert_same(reference, outputs(Cityscapes(tiny_data, "val", (16, 16), cache_dir=cache_dir)))
+    data = Cityscapes(tiny_data, "val", cache_dir=cache_dir)
+    assert all(isinstance(array, np.memmap) for array in data.frame(0))  # whole again
+
+
+def test_prepare_cache_fills_the_cache_that_training_reads(tiny_data, tmp_path):
+    cache_dir = str(tmp_path / "cache")
+    dataset.prepare_cache(tiny_data, cache_dir, ["train", "val"], workers=2)
+    assert len(glob.glob(os.path.join(cache_dir, "*.npy"))) == 2 * (8 + 5)
+    data = Cityscapes(tiny_data, "train", (24, 24), cache_dir=cache_dir)
+    assert all(isinstance(array, np.memmap) for index in range(len(data)) for array in data.frame(index))
