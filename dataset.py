@@ -111,6 +111,15 @@ def resize_pad_flip(image, label, out_size, crop_size, flip):
     return image, label
 
 
+def jitter_colors(image, strength, generator):
+    """Brightness, contrast and saturation, each scaled by a factor drawn from [1 - strength, 1 + strength]
+    (torchvision's ColorJitter with those three set to strength, applied in this fixed order), on uint8."""
+    brightness, contrast, saturation = (1 + strength * (2 * torch.rand(3, generator=generator) - 1)).tolist()
+    image = F.adjust_brightness(image, brightness)
+    image = F.adjust_contrast(image, contrast)
+    return F.adjust_saturation(image, saturation)
+
+
 def normalize(images):
     """uint8 images (N, 3, H, W) or (3, H, W), on any device -> float32 normalised with ImageNet's mean and
     std. The trainer calls it on the GPU after the copy: workers and the copy move a quarter of the bytes."""
@@ -216,12 +225,15 @@ class Cityscapes(torchvision.datasets.Cityscapes):
     a file order that is the same on every rank (it lists with os.listdir, whose order is not defined),
     labelIds mapped to trainIds, and the training augmentation.
 
+    Training augmentation (with crop_size): a random scale in scale_range, a random crop, a flip, and with
+    color_jitter > 0 a random brightness, contrast and saturation (jitter_colors).
     Returns (image, label): image uint8 (3, H, W), to be normalised with normalize() where it is used;
     label uint8 (H, W) of trainIds, 255 where ignored. With crop_size=None (evaluation) the full
     resolution. With cache_dir, decoded frames are kept there (see cached()), and the output is the same.
     """
 
-    def __init__(self, root, split="train", crop_size=None, seed=0, cache_dir=None):
+    def __init__(self, root, split="train", crop_size=None, seed=0, cache_dir=None, scale_range=(0.5, 2.0),
+                 color_jitter=0.0):
         get = "README.md says how to get Cityscapes; ./run.sh writes a synthetic set for a demo"
         for sub in ("leftImg8bit", "gtFine"):
             if not os.path.isdir(os.path.join(root, sub, split)):
@@ -242,9 +254,8 @@ class Cityscapes(torchvision.datasets.Cityscapes):
         if orphans:
             raise BadInput(f"{len(orphans)} {split} label(s) have no image, e.g. {orphans[0]}; "
                            "add the leftImg8bit images or remove those labels")
-        self.crop_size = crop_size
-        self.seed = seed
-        self.cache_dir = cache_dir
+        self.crop_size, self.seed, self.cache_dir = crop_size, seed, cache_dir
+        self.scale_range, self.color_jitter = scale_range, color_jitter
         if cache_dir is not None:
             try:
                 os.makedirs(cache_dir, exist_ok=True)
@@ -283,7 +294,8 @@ class Cityscapes(torchvision.datasets.Cityscapes):
         if self.cache_dir is None:
             image, label_ids = read_image(image_path), read_label(label_path)
         else:
-            image, label_ids = cached(self.cache_dir, image_path, read_image), cached(self.cache_dir, label_path, read_label)
+            image = cached(self.cache_dir, image_path, read_image)
+            label_ids = cached(self.cache_dir, label_path, read_label)
         if image.shape[:2] != label_ids.shape:
             raise BadInput(f"{label_path} is {label_ids.shape[1]}x{label_ids.shape[0]} but its image is "
                            f"{image.shape[1]}x{image.shape[0]}; they must match")
@@ -295,7 +307,8 @@ class Cityscapes(torchvision.datasets.Cityscapes):
             image = torch.from_numpy(np.array(image)).permute(2, 0, 1)  # np.array copies, even a memory map
         else:
             generator = sample_generator(self.seed, self.epoch, index)
-            (top, left, height, width), out_size, flip = crop_window(image.shape[:2], self.crop_size, generator)
+            (top, left, height, width), out_size, flip = crop_window(image.shape[:2], self.crop_size, generator,
+                                                                     self.scale_range)
             # Slice, then copy (np.array): from a memory map only the region's rows are read. The copy is
             # in (H, W, 3) order, in which torchvision's uint8 resize is fastest (3-4x).
             region = np.array(image[top:top + height, left:left + width])
@@ -304,6 +317,8 @@ class Cityscapes(torchvision.datasets.Cityscapes):
                                            tv_tensors.Mask(torch.from_numpy(label_region)[None]),
                                            out_size, self.crop_size, flip)
             label_ids = label[0].numpy()  # padding is 255, which maps to 255
+            if self.color_jitter:
+                image = jitter_colors(image, self.color_jitter, generator)
         # labelIds -> trainIds after the crop (on 0.6 M pixels, not 2 M), by a numpy table lookup.
         return image.as_subclass(torch.Tensor), torch.from_numpy(_ID_TO_TRAINID_NP[np.asarray(label_ids)])
 

@@ -37,7 +37,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Subset
 
 import recovery
-from dataset import CLASS_NAMES, IGNORE_INDEX, MEAN, NUM_CLASSES, STD, TRAINID_TO_ID, BadInput, Cityscapes, colorize
+from dataset import CLASS_NAMES, IGNORE_INDEX, NUM_CLASSES, TRAINID_TO_ID, BadInput, Cityscapes, colorize, normalize
 from models import MODEL_NAMES, build_model
 from recovery import fail, get_rank, get_world_size, is_main_process, log
 
@@ -56,6 +56,13 @@ def get_args_parser():
                         help="backbone weights: torchvision's ImageNet ones (downloaded once), a local .pth, or none")
     parser.add_argument("--crop-size", type=int, nargs="+", default=[768], metavar="N",
                         help="training crop: one number (square) or two (height width)")
+    parser.add_argument("--scale-range", type=float, nargs=2, default=(1.0, 1.0), metavar=("MIN", "MAX"),
+                        help="random rescaling of the training image before the crop (the recipe: none; DeepLab's "
+                             "papers: 0.5 2.0)")
+    parser.add_argument("--color-jitter", type=float, default=0.5, metavar="S",
+                        help="random brightness, contrast and saturation factors in [1-S, 1+S]; 0: off")
+    parser.add_argument("--cache-dir", default=None, metavar="DIR",
+                        help="keep each decoded frame there (uncompressed, ~29 GB for Cityscapes): decoded once")
     parser.add_argument("-j", "--workers", type=int, default=None,
                         help="data loading workers per process (default: this process's share of the cores, less one)")
     parser.add_argument("--epochs", type=int, default=162, help="total epochs (162 x 185 steps of 16 images: "
@@ -166,7 +173,8 @@ def train_one_epoch(model, optimizer, scaler, loader, device, epoch, first_step,
         recovery.note_step(epoch * steps_per_epoch + step)
         seed_step(args.seed, epoch, step, rank)
         lr = adjust_learning_rate(optimizer, args.lr, epoch * steps_per_epoch + step, total_steps)
-        images = images.to(device, non_blocking=True, memory_format=memory_format)
+        # uint8 from the workers (a quarter of float32's bytes to move), made float and normalised here.
+        images = normalize(images.to(device, non_blocking=True, memory_format=memory_format))
         labels = labels.to(device, non_blocking=True).long()
         with autocast():
             loss = criterion(model(images), labels)
@@ -242,7 +250,7 @@ def evaluate(model, loader, device, autocast=contextlib.nullcontext, image_ids=N
     for position, (images, labels) in enumerate(loader):
         images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True).long()
         with autocast():
-            predictions = model(images).argmax(1)  # full resolution: the model upsamples its logits
+            predictions = model(normalize(images)).argmax(1)  # full resolution: the model upsamples its logits
         labelled = labels != IGNORE_INDEX
         confusion += torch.bincount(labels[labelled] * NUM_CLASSES + predictions[labelled],
                                     minlength=NUM_CLASSES * NUM_CLASSES)
@@ -281,10 +289,9 @@ def print_iou_table(miou, iou):
 
 def save_picture(path, sample):
     """image | ground truth | prediction, side by side, in Cityscapes colours (ignore in black)."""
-    image, label, prediction = sample
-    image = image.float() * torch.tensor(STD).view(3, 1, 1) + torch.tensor(MEAN).view(3, 1, 1)
-    image = (image.clamp(0, 1) * 255).round().byte().permute(1, 2, 0)
-    Image.fromarray(torch.cat([image, colorize(label), colorize(prediction)], dim=1).numpy()).save(path)
+    image, label, prediction = sample  # image: uint8 (3, H, W), as the data set gives it
+    picture = torch.cat([image.permute(1, 2, 0), colorize(label), colorize(prediction)], dim=1)
+    Image.fromarray(picture.numpy()).save(path)
 
 
 def check_args(args, use_cuda):
@@ -307,8 +314,9 @@ def load_datasets(args, crop_size, world_size):
     """The train and val sets, every file's header read: a missing label or a damaged file is found here,
     before any training time is spent, the same way on every rank."""
     try:
-        train_set = Cityscapes(args.data, "train", crop_size=crop_size, seed=args.seed)
-        val_set = Cityscapes(args.data, "val")
+        train_set = Cityscapes(args.data, "train", crop_size=crop_size, seed=args.seed, cache_dir=args.cache_dir,
+                               scale_range=args.scale_range, color_jitter=args.color_jitter)
+        val_set = Cityscapes(args.data, "val", cache_dir=args.cache_dir)
         train_set.check_files()
         val_set.check_files()
     except BadInput as error:

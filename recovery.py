@@ -345,7 +345,7 @@ def load_model_state(model, checkpoint, path, model_name):
 
 
 def resume(args, model, optimizer, scaler, world_size):
-    """--resume PATH|auto (or nothing): load the model and, when training, the optimizer, the GradScaler and the position.
+    """--resume PATH|auto (or none): load the model and, when training, the optimizer, GradScaler and position.
     -> ({"epoch", "step", "best_miou", "epoch_loss_sum"}, the checkpoint's path or "")."""
     position = {"epoch": args.start_epoch, "step": 0, "best_miou": float("-inf"), "epoch_loss_sum": 0.0}
     checkpoint, path = find_checkpoint(args.resume, args.output_dir) if args.resume else (None, "")

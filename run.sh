@@ -52,7 +52,7 @@ else
   fi
   DATA=$SYNTHETIC
   ARGS=(--model deeplabv3plus_mobilenet_v3_large --pretrained-backbone none --crop-size 128 -b 8 --lr 0.05
-        --backbone-lr 1 --epochs 12 -j 1 -p 6)
+        --backbone-lr 1 --scale-range 0.5 2.0 --color-jitter 0 --epochs 12 -j 1 -p 6)
 fi
 
 if [ "$NNODES" -gt 1 ]; then
