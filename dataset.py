@@ -120,6 +120,13 @@ def jitter_colors(image, strength, generator):
     return F.adjust_saturation(image, saturation)
 
 
+def default_workers():
+    """DataLoader workers for one training process: its share of the cores it may run on, less one for the
+    process itself (at least 1, at most 16). torchrun sets LOCAL_WORLD_SIZE, the processes on this machine."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, min(16, cores // int(os.environ.get("LOCAL_WORLD_SIZE", 1)) - 1))
+
+
 def normalize(images):
     """uint8 images (N, 3, H, W) or (3, H, W), on any device -> float32 normalised with ImageNet's mean and
     std. The trainer calls it on the GPU after the copy: workers and the copy move a quarter of the bytes."""
@@ -220,6 +227,19 @@ def cached(cache_dir, source, read):
     return array
 
 
+def _folder_entries(folder, folders=True):
+    """The sub-folders (or the files) of folder, sorted; other entries ignored. A link that leads nowhere
+    or to itself (a loop) is named: it is a mistake in the data folder, not something to skip quietly."""
+    entries = []
+    for name in sorted(os.listdir(folder)):
+        path = os.path.join(folder, name)
+        if os.path.islink(path) and not os.path.exists(path):
+            raise BadInput(f"{path} is a symbolic link that leads nowhere or loops back to itself; fix or remove it")
+        if os.path.isdir(path) if folders else os.path.isfile(path):
+            entries.append(path)
+    return entries
+
+
 class Cityscapes(torchvision.datasets.Cityscapes):
     """torchvision's Cityscapes (it knows the layout), with three things it leaves to the user:
     a file order that is the same on every rank (it lists with os.listdir, whose order is not defined),
@@ -239,8 +259,17 @@ class Cityscapes(torchvision.datasets.Cityscapes):
             if not os.path.isdir(os.path.join(root, sub, split)):
                 raise BadInput(f"{os.path.join(root, sub, split)} not found: {root} should hold Cityscapes "
                                f"(leftImg8bit/ and gtFine/). {get}")
-        super().__init__(root, split=split, mode="fine", target_type="semantic")
-        pairs = sorted(zip(self.images, (t[0] for t in self.targets)))
+        # Listed here, not by torchvision's __init__: its listing fails on a stray file beside the city
+        # folders (a .DS_Store, a README), and its order (os.listdir) is not the same everywhere.
+        torchvision.datasets.VisionDataset.__init__(self, root)
+        self.split, self.mode, self.target_type = split, "gtFine", ["semantic"]
+        pairs = []
+        for city in _folder_entries(os.path.join(root, "leftImg8bit", split)):
+            for name in _folder_entries(city, folders=False):
+                if name.endswith("_leftImg8bit.png"):
+                    label = name.replace("_leftImg8bit.png", "_gtFine_labelIds.png")
+                    pairs.append((name, os.path.join(root, "gtFine", split, os.path.basename(city),
+                                                     os.path.basename(label))))
         if not pairs:
             raise BadInput(f"{os.path.join(root, 'leftImg8bit', split)} holds no *_leftImg8bit.png images. {get}")
         self.images = [image for image, _ in pairs]
@@ -273,10 +302,13 @@ class Cityscapes(torchvision.datasets.Cityscapes):
     def epoch(self, value):
         self._epoch.fill_(value)
 
-    def check_files(self):
+    def check_files(self, decode_labels=False):
         """Read every file's header (not its pixels: about 0.1 ms a pair): each opens as a PNG, and each
-        label has its image's size. Catches most bad files before any training time is spent."""
+        label has its image's size. Catches most bad files before any training time is spent.
+        decode_labels: also decode every label and check its values (val's: a few seconds for 500)."""
         for image_path, (label_path,) in zip(self.images, self.targets):
+            if decode_labels:
+                read_label(label_path)
             sizes = []
             for path in (image_path, label_path):
                 try:

@@ -36,9 +36,12 @@ from PIL import Image
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Subset
 
+import checks
 import recovery
-from dataset import CLASS_NAMES, IGNORE_INDEX, NUM_CLASSES, TRAINID_TO_ID, BadInput, Cityscapes, colorize, normalize
+from dataset import (CLASS_NAMES, IGNORE_INDEX, NUM_CLASSES, TRAINID_TO_ID, BadInput, Cityscapes, colorize,
+                     default_workers, normalize)
 from models import MODEL_NAMES, build_model
+from checks import at_least, fraction, non_negative, positive
 from recovery import fail, get_rank, get_world_size, is_main_process, log
 
 
@@ -48,47 +51,49 @@ def get_args_parser():
     # VainF/DeepLabV3Plus-Pytorch's for Cityscapes (76.2 mIoU on val with DeepLabV3+ ResNet-101, README.md):
     # torchvision's ImageNet ResNet-101 at output stride 16, crop 768, global batch 16, SGD lr 0.1 (the
     # backbone at 0.1x), momentum 0.9, weight decay 1e-4, poly(0.9) over 30k iterations.
-    parser = argparse.ArgumentParser(description="DDP DeepLab on Cityscapes", allow_abbrev=False)
+    parser = argparse.ArgumentParser(prog="main.py", description="DDP DeepLab on Cityscapes", allow_abbrev=False)
     parser.add_argument("--data", default="data/cityscapes", help="Cityscapes root (leftImg8bit/, gtFine/)")
     parser.add_argument("--model", default="deeplabv3plus_resnet101", choices=MODEL_NAMES)
     parser.add_argument("--output-stride", type=int, default=16, choices=(8, 16))
     parser.add_argument("--pretrained-backbone", default="imagenet", metavar="imagenet|PATH|none",
                         help="backbone weights: torchvision's ImageNet ones (downloaded once), a local .pth, or none")
-    parser.add_argument("--crop-size", type=int, nargs="+", default=[768], metavar="N",
+    parser.add_argument("--crop-size", type=at_least(1), nargs="+", default=[768], metavar="N",
                         help="training crop: one number (square) or two (height width)")
-    parser.add_argument("--scale-range", type=float, nargs=2, default=(1.0, 1.0), metavar=("MIN", "MAX"),
+    parser.add_argument("--scale-range", type=positive(), nargs=2, default=(1.0, 1.0), metavar=("MIN", "MAX"),
                         help="random rescaling of the training image before the crop (the recipe: none; DeepLab's "
                              "papers: 0.5 2.0)")
-    parser.add_argument("--color-jitter", type=float, default=0.5, metavar="S",
+    parser.add_argument("--color-jitter", type=fraction(high_open=False), default=0.5, metavar="S",
                         help="random brightness, contrast and saturation factors in [1-S, 1+S]; 0: off")
     parser.add_argument("--cache-dir", default=None, metavar="DIR",
                         help="keep each decoded frame there (uncompressed, ~29 GB for Cityscapes): decoded once")
-    parser.add_argument("-j", "--workers", type=int, default=None,
+    parser.add_argument("-j", "--workers", type=at_least(0), default=None,
                         help="data loading workers per process (default: this process's share of the cores, less one)")
-    parser.add_argument("--epochs", type=int, default=162, help="total epochs (162 x 185 steps of 16 images: "
+    parser.add_argument("--epochs", type=at_least(1), default=162, help="total epochs (162 x 185 steps of 16 images: "
                         "the recipe's 30k iterations)")
-    parser.add_argument("--start-epoch", type=int, default=0, help="first epoch (--resume sets it)")
-    parser.add_argument("-b", "--batch-size", type=int, default=8, help="images per process per step")
-    parser.add_argument("--lr", type=float, default=0.1, help="initial learning rate, decayed by poly(0.9)")
-    parser.add_argument("--backbone-lr", type=float, default=0.1, metavar="FACTOR",
+    parser.add_argument("--start-epoch", type=at_least(0), default=0, help="first epoch (--resume sets it)")
+    parser.add_argument("-b", "--batch-size", type=at_least(1), default=8, help="images per process per step")
+    parser.add_argument("--lr", type=positive(), default=0.1, help="initial learning rate, decayed by poly(0.9)")
+    parser.add_argument("--backbone-lr", type=non_negative(), default=0.1, metavar="FACTOR",
                         help="the backbone's learning rate as a fraction of --lr (pretrained layers move slower)")
-    parser.add_argument("--momentum", type=float, default=0.9)
-    parser.add_argument("--wd", "--weight-decay", type=float, default=1e-4, dest="weight_decay")
-    parser.add_argument("-p", "--print-freq", type=int, default=10, help="print every N steps")
+    parser.add_argument("--momentum", type=fraction(), default=0.9)
+    parser.add_argument("--wd", "--weight-decay", type=non_negative(), default=1e-4, dest="weight_decay")
+    parser.add_argument("-p", "--print-freq", type=at_least(1), default=10, help="print every N steps")
     parser.add_argument("--resume", default="", metavar="PATH|auto",
                         help="checkpoint to resume from; 'auto': OUTPUT_DIR/checkpoint.pth if it exists")
     parser.add_argument("-e", "--evaluate", action="store_true", help="evaluate --resume's model, no training")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=at_least(0), default=0)
     parser.add_argument("--output-dir", default="output")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="train afresh into an --output-dir that holds another run, replacing its files")
     parser.add_argument("--amp", nargs="?", const="bf16", choices=("bf16", "fp16"), default=None,
                         help="mixed precision: bf16 (default when given alone) or fp16 (with a GradScaler)")
     parser.add_argument("--save-predictions", default=None, metavar="DIR",
                         help="write each val prediction as a labelIds PNG, the official evaluation's input")
     parser.add_argument("--dist-backend", default=None, choices=("nccl", "gloo"),
                         help="default: nccl with CUDA, gloo on the CPU")
-    parser.add_argument("--dist-timeout", type=float, default=5.0, metavar="MINUTES",
+    parser.add_argument("--dist-timeout", type=positive(), default=5.0, metavar="MINUTES",
                         help="a collective that waits longer than this (a lost peer) ends the job")
-    parser.add_argument("--check-only", type=int, default=0, metavar="WORLD_SIZE",
+    parser.add_argument("--check-only", type=at_least(1), default=None, metavar="WORLD_SIZE",
                         help="check arguments, data and --resume for a run of WORLD_SIZE processes, then exit "
                              "(run.sh does this before it starts torchrun)")
     parser.add_argument("--sync-bn", action=argparse.BooleanOptionalAction, default=None,
@@ -102,7 +107,7 @@ def get_args_parser():
     # Step 1: the local rank, the GPU this process drives. The tutorial reads --local_rank; since
     # PyTorch 2.0 torch.distributed.launch passes --local-rank, and torchrun passes no argument at all,
     # only the environment variable LOCAL_RANK. Accept both spellings, and fall back to the environment.
-    parser.add_argument("--local-rank", "--local_rank", type=int, dest="local_rank",
+    parser.add_argument("--local-rank", "--local_rank", type=at_least(0), dest="local_rank",
                         default=int(os.environ.get("LOCAL_RANK", 0)))
     return parser
 
@@ -294,22 +299,6 @@ def save_picture(path, sample):
     Image.fromarray(picture.numpy()).save(path)
 
 
-def check_args(args, use_cuda):
-    """What the flags alone can tell: checked before any work. -> the crop as (height, width)."""
-    crop_size = args.crop_size * 2 if len(args.crop_size) == 1 else args.crop_size
-    if len(crop_size) != 2 or min(crop_size) < 8:
-        fail(f"--crop-size {' '.join(map(str, args.crop_size))}: give one or two numbers of at least 8")
-    if args.amp == "fp16" and not use_cuda:
-        fail("--amp fp16 needs CUDA; on the CPU use --amp bf16 or no --amp")
-    if args.sync_bn and not use_cuda:
-        fail("--sync-bn needs CUDA: SyncBatchNorm does not run on the CPU; drop the flag")
-    if args.evaluate and not args.resume:
-        fail("-e/--evaluate evaluates a trained model: give it --resume PATH")
-    if args.start_epoch >= args.epochs and not args.resume:
-        fail(f"--start-epoch {args.start_epoch} is not below --epochs {args.epochs}: nothing to train")
-    return crop_size
-
-
 def load_datasets(args, crop_size, world_size):
     """The train and val sets, every file's header read: a missing label or a damaged file is found here,
     before any training time is spent, the same way on every rank."""
@@ -318,7 +307,7 @@ def load_datasets(args, crop_size, world_size):
                                scale_range=args.scale_range, color_jitter=args.color_jitter)
         val_set = Cityscapes(args.data, "val", cache_dir=args.cache_dir)
         train_set.check_files()
-        val_set.check_files()
+        val_set.check_files(decode_labels=True)  # found now, not after the first epoch
     except BadInput as error:
         fail(error)
     if world_size > len(val_set):
@@ -326,17 +315,11 @@ def load_datasets(args, crop_size, world_size):
     return train_set, val_set
 
 
-def default_workers():
-    """Data loading workers for this process: its share of the cores it may run on, less one for itself."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(1, min(16, cores // int(os.environ.get("LOCAL_WORLD_SIZE", 1)) - 1))
-
-
 def make_optimizer(model, args):
     """SGD with the recipe's two learning rates: the pretrained backbone moves at --backbone-lr times the
     head's (each group's lr_mult, applied by adjust_learning_rate)."""
     backbone = list(model.backbone.parameters())
-    head = [p for p in model.parameters() if all(p is not q for q in backbone)]
+    head = [p for p in model.parameters() if id(p) not in {id(q) for q in backbone}]
     return torch.optim.SGD([{"params": backbone, "lr_mult": args.backbone_lr}, {"params": head, "lr_mult": 1.0}],
                            lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay)
 
@@ -357,26 +340,36 @@ def evaluate_checkpoint(args, model, val_loader, val_ids, device, autocast, num_
             + (f" and predictions to {args.save_predictions}" if args.save_predictions else ""))
 
 
-def write_epoch(args, state, is_best, sample, record):
+def record_epoch(args, state, is_best, sample, record, estimate=False):
     """After an epoch (rank 0 alone: several ranks writing one file corrupt it): checkpoint.pth (the one it
     replaces kept as checkpoint.prev.pth), best.pth when the mIoU is the best yet, the picture, a line of
-    metrics.jsonl."""
-    recovery.save_checkpoint(state, os.path.join(args.output_dir, "checkpoint.pth"), keep_previous=True)
+    metrics.jsonl, and what the user should know."""
+    checkpoint_path = os.path.join(args.output_dir, "checkpoint.pth")
+    recovery.save_checkpoint(state, checkpoint_path, keep_previous=True)
     if is_best:
         recovery.save_checkpoint(state, os.path.join(args.output_dir, "best.pth"))
     save_picture(os.path.join(args.output_dir, "vis", f"epoch_{record['epoch']:03d}.png"), sample)
     with open(os.path.join(args.output_dir, "metrics.jsonl"), "a") as f:
         f.write(json.dumps(record) + "\n")
+    log(f"epoch {record['epoch']}: train loss {record['train_loss']:.4f}, {record['train_img_per_s']:.1f} img/s, "
+        f"mIoU {record['miou']:.4f} (best {state['best_miou']:.4f}); saved {checkpoint_path}")
+    if record["data_wait_fraction"] > 0.05:
+        log(f"note: the training loop waited {record['data_wait_fraction']:.0%} of its time for data: raise -j if "
+            "the machine has the cores, or decode once with --cache-dir")
+    left = args.epochs - record["epoch"] - 1
+    if estimate and left:  # after the first epoch, so that nobody wonders whether it hangs
+        log(f"the other {left} epoch(s) will take about {timedelta(seconds=round(record['epoch_time_s'] * left))}")
 
 
 @recovery.guarded  # around the run: a mistake ends in one line, a lost peer is named (recovery.py)
 def main(args):
     use_cuda = torch.cuda.is_available()
-    crop_size = check_args(args, use_cuda)
+    crop_size = checks.check_args(args, use_cuda)
     recovery.set_quiet(bool(args.check_only))
     restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
     if restarts and not args.resume:
         args.resume = "auto"  # torchrun restarted us after a failure: carry on from the last checkpoint
+    checks.check_output(args, is_writer=is_main_process())
 
     # Step 1 (continued): the launchers set RANK and WORLD_SIZE; without them this is one plain process,
     # with no process group. Under a launcher even one process takes the DDP path, as eight would.
@@ -445,7 +438,7 @@ def main(args):
     # resumed run draws what an uninterrupted one would. pin_memory: page-locked batches, so that the
     # copy to the GPU (non_blocking) overlaps with compute. persistent_workers: training keeps its
     # workers from epoch to epoch; evaluation's exist only while it runs.
-    workers = args.workers if args.workers is not None else default_workers()
+    workers = args.workers if args.workers is not None else default_workers()  # dataset.py
     loader_args = dict(num_workers=workers, pin_memory=use_cuda, worker_init_fn=recovery.ignore_sigint)
     train_loader = DataLoader(train_set, batch_size=args.batch_size, shuffle=False, sampler=train_sampler,
                               drop_last=True, persistent_workers=workers > 0, **loader_args)
@@ -464,19 +457,16 @@ def main(args):
     if args.check_only:
         return
     checkpoint_path = os.path.join(args.output_dir, "checkpoint.pth")
-    if is_main_process():
-        os.makedirs(os.path.join(args.output_dir, "vis"), exist_ok=True)
-        if args.save_predictions is not None:
-            os.makedirs(args.save_predictions, exist_ok=True)
-        if not args.evaluate:
-            recovery.trim_metrics(os.path.join(args.output_dir, "metrics.jsonl"), position["epoch"])
-    if distributed:
-        dist.barrier()  # the folders exist before any rank writes into them
+    if is_main_process() and not args.evaluate and position["epoch"] < args.epochs:
+        recovery.trim_metrics(os.path.join(args.output_dir, "metrics.jsonl"), position["epoch"])
     recovery.install_signal_handlers()
 
     if args.evaluate:
         evaluate_checkpoint(args, model_without_ddp, val_loader, val_ids, device, autocast, len(val_set),
                             resumed_from)
+    elif position["epoch"] >= args.epochs:  # a requeued job that had finished: not a failure, nothing to do
+        log(f"nothing to train: {resumed_from} has finished epoch {position['epoch']} of --epochs {args.epochs} "
+            f"(best mIoU {position['best_miou']:.4f}); raise --epochs to train longer, or -e to evaluate it")
     else:
         first_epoch, start_step = position["epoch"], position["step"]
         best_miou, epoch_loss_sum = position["best_miou"], position["epoch_loss_sum"]
@@ -519,19 +509,11 @@ def main(args):
             train_loss = epoch_loss_sum / (steps_per_epoch * world_size)
             if is_main_process():
                 state.update(best_miou=best_miou, epoch=epoch + 1, step=0, epoch_loss_sum=0.0)
-                write_epoch(args, state, is_best, sample, {
+                record_epoch(args, state, is_best, sample, {
                     "epoch": epoch, "train_loss": train_loss, "lr": trained["lr"], "miou": miou, "iou": iou_dict(iou),
                     "train_img_per_s": trained["images_per_s"], "data_wait_fraction": trained["data_wait"],
                     "epoch_time_s": time.time() - epoch_start, "eval_time_s": time.time() - eval_start,
-                    "world_size": world_size, "peak_memory_gib": trained["peak_memory_gib"]})
-            left = args.epochs - epoch - 1
-            eta = timedelta(seconds=round((time.time() - epoch_start) * left))  # so nobody wonders if it hangs
-            log(f"epoch {epoch}: train loss {train_loss:.4f}, {trained['images_per_s']:.1f} img/s, mIoU {miou:.4f} "
-                f"(best {best_miou:.4f}); saved {checkpoint_path}"
-                + (f". The other {left} epoch(s) will take about {eta}" if epoch == first_epoch and left else ""))
-            if trained["data_wait"] > 0.05:
-                log(f"note: the training loop waited {trained['data_wait']:.0%} of its time for data: more -j "
-                    f"(now {workers}) if the machine has the cores")
+                    "world_size": world_size, "peak_memory_gib": trained["peak_memory_gib"]}, epoch == first_epoch)
             start_step, epoch_loss_sum = 0, 0.0
             if agree(recovery.stop_signal() is not None, device=device)[0]:  # a signal during evaluation
                 log(f"stopped by signal after epoch {epoch}; saved {checkpoint_path}. Resume with the same "

@@ -55,8 +55,15 @@ def _load_backbone_weights(net, backbone, pretrained):
     else:
         if not os.path.isfile(pretrained):
             raise FileNotFoundError(f"--pretrained-backbone {pretrained}: no such file")
-        state = torch.load(pretrained, map_location="cpu", weights_only=True)
+        try:
+            state = torch.load(pretrained, map_location="cpu", weights_only=True)
+        except Exception as error:
+            raise RuntimeError(f"--pretrained-backbone {pretrained} cannot be read ({type(error).__name__}): "
+                               "an empty, truncated or non-PyTorch file; download it again") from None
         state = state.get("state_dict", state) if isinstance(state, dict) else state
+        if not isinstance(state, dict) or not state or not all(isinstance(v, torch.Tensor) for v in state.values()):
+            raise RuntimeError(f"--pretrained-backbone {pretrained} holds no state dict of weights: give the "
+                               f"torchvision {backbone} classification weights (.pth)")
     # The classifier of the ImageNet model (fc / classifier) has no place here; everything else must fit.
     state = {k: v for k, v in state.items() if not k.startswith(("fc.", "classifier."))}
     missing, unexpected = net.load_state_dict(state, strict=False)

@@ -17,10 +17,12 @@ bad file). Only global rank 0 logs progress and writes files.
 import functools
 import json
 import os
+import shutil
 import signal
 import sys
 import threading
 import time
+import traceback
 from contextlib import contextmanager
 from datetime import timedelta
 from types import SimpleNamespace
@@ -118,12 +120,20 @@ def guarded(main):
 
 
 def is_collective_failure(error):
-    """Whether a collective or the rendezvous store failed. NCCL and the store raise torch.distributed's
-    own errors (DistError and its subclasses); gloo raises a plain RuntimeError that names the gloo source
-    file it came from. Neither tells a dead peer from a hung one or a broken network: the heartbeats do.
-    Other RuntimeErrors (a CUDA error, a DataLoader timeout) are not collective failures: they keep
-    their traceback."""
-    return isinstance(error, dist.DistError) or (isinstance(error, RuntimeError) and "/gloo/" in str(error))
+    """Whether a collective or the rendezvous store failed, by where the error comes from, not by words in it:
+    torch.distributed's own error types (NCCL and the store raise DistError and its subclasses), or a
+    RuntimeError raised inside torch.distributed's code (where gloo's errors surface: DDP's buffer broadcast,
+    an all_reduce) or naming a gloo source file (gloo's errors in DDP's gradient all-reduce surface in
+    backward()). Other RuntimeErrors (a CUDA error in the model, a DataLoader timeout) keep their traceback.
+    What it cannot tell apart: a dead peer, a hung one and a broken network (the heartbeats do), and a
+    collective that failed for a reason of its own (a CUDA error inside NCCL) from a lost peer."""
+    if isinstance(error, dist.DistError):
+        return True
+    if not isinstance(error, RuntimeError):
+        return False
+    frames = traceback.extract_tb(error.__traceback__)
+    where = frames[-1].filename.replace(os.sep, "/") if frames else ""
+    return "/gloo/" in str(error) or "/torch/distributed/" in where or where.endswith("/torch/nn/parallel/distributed.py")
 
 
 def _stop_file():
@@ -137,6 +147,7 @@ def _stop(message, say_it):
         if get_world_size() > 1 or "TORCHELASTIC_RUN_ID" in os.environ:
             record = {"run_id": os.environ.get("TORCHELASTIC_RUN_ID", ""), "time": time.time(), "message": message}
             try:
+                os.makedirs(_state.output_dir, exist_ok=True)
                 _write_atomically(_stop_file(), json.dumps(record).encode())
             except OSError:
                 pass  # an output folder that cannot be written: restarts may repeat the line, nothing worse
@@ -285,7 +296,8 @@ def _write_atomically(path, data, before_rename=None):
 
 
 def save_checkpoint(state, path, keep_previous=False):
-    """Written atomically. keep_previous: the checkpoint it replaces stays as *.prev.pth, a fallback."""
+    """Written atomically. keep_previous: the checkpoint it replaces stays as *.prev.pth, a fallback. A write
+    that fails (a full disk) leaves the previous checkpoint as it was and ends the run in one line."""
     def keep_previous_one():
         if os.path.isfile(path):
             previous = previous_path(path)
@@ -293,25 +305,40 @@ def save_checkpoint(state, path, keep_previous=False):
                 os.remove(previous)
             os.link(path, previous)  # a second name for the old file: path exists throughout
 
-    _write_atomically(path, lambda f: torch.save(state, f), keep_previous_one if keep_previous else None)
+    try:
+        _write_atomically(path, lambda f: torch.save(state, f), keep_previous_one if keep_previous else None)
+    except (OSError, RuntimeError) as error:  # torch.save reports a failed write as a RuntimeError
+        folder = os.path.dirname(os.path.abspath(path))
+        kept = f"{path} is the last one written" if os.path.isfile(path) else "no checkpoint was kept"
+        fail(f"cannot write {path} ({getattr(error, 'strerror', None) or _one_line(error)[:100]}; "
+             f"{shutil.disk_usage(folder).free / 2**20:.0f} MiB free there): {kept}. Free space, then resume "
+             "with --resume auto")
+
+
+TRAINING_STATE = ("optimizer", "scaler", "epoch", "world_size", "batch_size")  # what resuming training needs
 
 
 def read_checkpoint(path):
-    """-> (checkpoint dict, None) or (None, why it cannot be used)."""
+    """-> (checkpoint dict with at least "model", None) or (None, why it cannot be used). A bare state dict
+    (weights only, as torch.save(model.state_dict()) writes) is taken as {"model": it}."""
     try:
         # map_location="cpu": otherwise every rank loads onto the GPU the checkpoint was saved from
         # (rank 0's), and that GPU holds a copy per rank. weights_only=True: a checkpoint is data, not code.
         checkpoint = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:
         return None, f"cannot be read ({_one_line(error)[:150]}): truncated or not a checkpoint"
-    if not isinstance(checkpoint, dict) or not {"model", "epoch"} <= checkpoint.keys():
-        return None, "is not a checkpoint of main.py (no 'model' and 'epoch' in it)"
+    if isinstance(checkpoint, dict) and checkpoint and all(isinstance(v, torch.Tensor) for v in checkpoint.values()):
+        checkpoint = {"model": checkpoint}
+    if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get("model"), dict):
+        return None, "holds no model weights (no 'model' state dict): it is not a checkpoint of main.py"
     return checkpoint, None
 
 
-def find_checkpoint(resume, output_dir):
+def find_checkpoint(resume, output_dir, evaluate=False):
     """--resume PATH: that file, or a clear error. --resume auto: output_dir/checkpoint.pth, else the one
-    before it, else nothing (a fresh start). -> (checkpoint, path) or (None, "")."""
+    before it; with neither there, a fresh start (but -e has nothing to evaluate). A file there that cannot
+    be read, with no usable one before it, stops the run: those files are evidence, not to be replaced.
+    -> (checkpoint, path) or (None, "")."""
     if resume != "auto":
         if not os.path.isfile(resume):
             fail(f"--resume {resume}: no such file")
@@ -319,14 +346,22 @@ def find_checkpoint(resume, output_dir):
         if problem:
             fail(f"--resume {resume} {problem}")
         return checkpoint, resume
+    problems = []
     for name in ("checkpoint.pth", "checkpoint.prev.pth"):
         path = os.path.join(output_dir, name)
         if os.path.isfile(path):
             checkpoint, problem = read_checkpoint(path)
             if checkpoint is not None:
+                if problems:
+                    log(f"warning: {problems[0]}; using the one before it, {path}")
                 return checkpoint, path
-            log(f"warning: {path} {problem}; trying the one before it")
-    log(f"no usable checkpoint in {output_dir}: starting afresh")
+            problems.append(f"{path} {problem}")
+    if problems:
+        fail(f"--resume auto: {'; '.join(problems)}. Nothing usable to resume from, and these files are kept: "
+             "move them aside to start afresh, or give --resume a good checkpoint")
+    if evaluate:
+        fail(f"-e --resume auto: no checkpoint in {output_dir} to evaluate; give --resume PATH")
+    log(f"no checkpoint in {output_dir}: starting afresh")
     return None, ""
 
 
@@ -348,18 +383,26 @@ def resume(args, model, optimizer, scaler, world_size):
     """--resume PATH|auto (or none): load the model and, when training, the optimizer, GradScaler and position.
     -> ({"epoch", "step", "best_miou", "epoch_loss_sum"}, the checkpoint's path or "")."""
     position = {"epoch": args.start_epoch, "step": 0, "best_miou": float("-inf"), "epoch_loss_sum": 0.0}
-    checkpoint, path = find_checkpoint(args.resume, args.output_dir) if args.resume else (None, "")
+    checkpoint, path = find_checkpoint(args.resume, args.output_dir, args.evaluate) if args.resume else (None, "")
     if checkpoint is None:
         return position, ""
     load_model_state(model, checkpoint, path, args.model)
+    if args.evaluate:  # the weights are all -e needs
+        return position, path
+    if args.start_epoch:
+        fail(f"--start-epoch {args.start_epoch} with --resume: {path} says where to start (epoch "
+             f"{checkpoint.get('epoch', '?')}); drop --start-epoch")
+    missing = [key for key in TRAINING_STATE if key not in checkpoint]
+    if missing:
+        fail(f"--resume {path} holds no {', '.join(missing)}: it has weights only (evaluate it with -e); to "
+             "continue training, resume a checkpoint.pth that main.py wrote")
     where = f"epoch {checkpoint['epoch']}" + (f" step {checkpoint['step']}" if checkpoint.get("step") else "")
     log(f"resuming from {path} at {where}, best mIoU {checkpoint.get('best_miou', float('nan')):.4f}")
-    if args.evaluate:
-        return position, path
     optimizer.load_state_dict(checkpoint["optimizer"])
     if checkpoint["scaler"] and scaler.is_enabled():  # empty when saved without --amp fp16
         scaler.load_state_dict(checkpoint["scaler"])
-    position = {key: checkpoint[key] for key in position}
+    position = {key: checkpoint.get(key, default) for key, default in position.items()}
+    position["epoch"] = checkpoint["epoch"]
     before = (checkpoint["world_size"], checkpoint["batch_size"])
     if before != (world_size, args.batch_size):
         # Another order of images: finish the epoch from the same number of images seen.

@@ -13,6 +13,12 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 
+fail() { echo "run.sh: error: $*" >&2; exit 1; }
+# A whole number of at least $2 in variable $1, or one line naming it.
+need_number() {
+  [[ "${!1}" =~ ^[0-9]+$ ]] && [ "${!1}" -ge "$2" ] || fail "$1=${!1}: give a whole number of at least $2"
+}
+
 DATA=${DATA:-data/cityscapes}
 OUTPUT_DIR=${OUTPUT_DIR:-output}
 NNODES=${NNODES:-1}
@@ -21,6 +27,13 @@ MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}
 MASTER_PORT=${MASTER_PORT:-29500}
 PYTHON=${PYTHON:-python}
 SYNTHETIC=${SYNTHETIC:-data/cityscapes_synthetic}
+
+MAX_RESTARTS=${MAX_RESTARTS:-3}
+for VAR in NNODES MASTER_PORT; do need_number "$VAR" 1; done
+for VAR in NODE_RANK MAX_RESTARTS; do need_number "$VAR" 0; done
+[ "$NODE_RANK" -lt "$NNODES" ] || fail "NODE_RANK=$NODE_RANK: nodes are numbered 0 to NNODES-1 ($(( NNODES - 1 )))"
+[ "$MASTER_PORT" -le 65535 ] || fail "MASTER_PORT=$MASTER_PORT: a port is at most 65535"
+[ -z "${NPROC:-}" ] || need_number NPROC 1
 
 NGPU=$("$PYTHON" -c "import torch; print(torch.cuda.device_count())")
 if [ "$NGPU" -gt 0 ]; then
@@ -63,7 +76,9 @@ if [ "$NNODES" -gt 1 ]; then
 else
   LAUNCH=(--standalone)  # a free port on this machine, no rendezvous server to set up
 fi
-MAIN=(main.py --data "$DATA" --output-dir "$OUTPUT_DIR" "${ARGS[@]}" "$@")
+# --resume auto: run again, the same line carries on where the last run stopped (and says so when it had
+# finished); arguments after ./run.sh come last and win.
+MAIN=(main.py --data "$DATA" --output-dir "$OUTPUT_DIR" --resume auto "${ARGS[@]}" "$@")
 
 # Check the arguments, the data and any --resume in one plain process first: a mistake ends here with one
 # line, instead of in every worker, in torchrun's report, and again in each of torchrun's restarts.
@@ -78,7 +93,7 @@ echo "run.sh: $NPROC process(es) on this node, $NNODES node(s), data $DATA, outp
 # restarted worker can read the previous attempt's addresses and fail to connect (pytorch/pytorch#135712).
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
 setsid "$PYTHON" -m torch.distributed.run "${LAUNCH[@]}" --nproc_per_node "$NPROC" \
-  --max-restarts "${MAX_RESTARTS:-3}" "${MAIN[@]}" &
+  --max-restarts "$MAX_RESTARTS" "${MAIN[@]}" &
 LAUNCHER=$!
 SIGNALS=0
 forward() {

@@ -299,7 +299,7 @@ def test_bad_input_found_before_training_with_one_clear_line(case, tiny_data, tm
     os.makedirs(out)
     with open(os.path.join(out, "checkpoint.pth"), "wb") as f:
         f.write(b"a good checkpoint")
-    line = _fails_in_process(["--data", data, "--output-dir", out, *TRAIN_ARGS, *args], capsys)
+    line = _fails_in_process(["--data", data, "--output-dir", out, *TRAIN_ARGS, "--overwrite", *args], capsys)
     assert expect in line, line
     with open(os.path.join(out, "checkpoint.pth"), "rb") as f:
         assert f.read() == b"a good checkpoint"  # untouched
@@ -405,3 +405,21 @@ def test_only_collective_failures_are_taken_for_a_lost_peer():
     for other in ("CUDA error: peer access is not supported between these two devices",
                   "DataLoader timed out after 30 seconds", "connection to the metrics server was refused"):
         assert not recovery.is_collective_failure(RuntimeError(other)), other
+    # gloo's timeout as DDP's buffer broadcast raises it: no gloo file named, raised in torch.distributed's code
+    try:
+        exec(compile("raise RuntimeError('Application timeout caused pair closure')",
+                     "/site-packages/torch/nn/parallel/distributed.py", "exec"))
+    except RuntimeError as error:
+        assert recovery.is_collective_failure(error)
+
+
+def test_a_mistake_under_torchrun_is_said_once_and_not_restarted(tiny_data, tmp_path):
+    """The general rule, without run.sh's check in front: a flag mistake meets every rank; rank 0 says it,
+    once, and torchrun's restarts do not say it again."""
+    result = subprocess.run([PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--max-restarts=2",
+                             "main.py", "--data", tiny_data, "--output-dir", str(tmp_path / "out"), *TRAIN_ARGS,
+                             "--amp", "fp16"], cwd=ROOT, env=CPU_ENV, capture_output=True, text=True, timeout=120)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0
+    errors = [line for line in output.splitlines() if "main.py: error:" in line]
+    assert errors == ["main.py: error: --amp fp16 needs CUDA; on the CPU use --amp bf16 or no --amp"], output
