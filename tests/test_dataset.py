@@ -15,7 +15,7 @@ import dataset
 from dataset import (ID_TO_TRAINID, IGNORE_INDEX, MEAN, STD, TRAINID_TO_ID, BadInput, Cityscapes, draw_street,
                      normalize, read_image, read_label, sample_generator, train_transform, write_synthetic)
 
-# The official table (cityscapesScripts labels.py, FIELD-NOTES.md), typed here independently of the code.
+# The official table (cityscapesScripts labels.py), typed here independently of the code.
 OFFICIAL_TRAIN_IDS = {7: 0, 8: 1, 11: 2, 12: 3, 13: 4, 17: 5, 19: 6, 20: 7, 21: 8, 22: 9, 23: 10, 24: 11, 25: 12,
                       26: 13, 27: 14, 28: 15, 31: 16, 32: 17, 33: 18}
 
