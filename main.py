@@ -198,13 +198,16 @@ def train_one_epoch(model, optimizer, scaler, loader, device, epoch, first_step,
         if (step + 1) % args.print_freq == 0 or step + 1 == steps_per_epoch:
             # The loss printed is the mean over ranks, not rank 0's alone: every rank joins this.
             mean_loss = all_reduce_sum(loss.detach().clone()).item() / world_size
-            now = time.time()
+            now, window_steps = time.time(), window_images // images.shape[0]
             images_per_s = window_images * world_size / (now - window_start)
-            seconds_per_step = (now - start) / (step + 1 - first_step)
-            eta = seconds_per_step * ((steps_per_epoch - step - 1) + (args.epochs - epoch - 1) * steps_per_epoch)
+            eta = (now - start) / (step + 1 - first_step) * (steps_per_epoch - step - 1
+                                                             + (args.epochs - epoch - 1) * steps_per_epoch)
+            # Step time and, within it, the wait for data (as torchvision's MetricLogger shows them): a data
+            # time near the step time means the GPU starves.
             log(f"epoch {epoch} step {step + 1}/{steps_per_epoch} loss {mean_loss:.4f} lr {lr:.5f} "
-                f"{images_per_s:.1f} img/s data {window_wait / (now - window_start):.0%} "
-                f"eta {timedelta(seconds=round(eta))} peak mem {peak_memory_gib(device):.2f} GiB")
+                f"{images_per_s:.1f} img/s time {(now - window_start) / window_steps:.3f} s "
+                f"(data {window_wait / window_steps:.3f} s) eta {timedelta(seconds=round(eta))} "
+                f"peak mem {peak_memory_gib(device):.2f} GiB")
             window_start, window_images, window_wait = now, 0, 0.0
         if signal_seen:
             stopped = "signal"

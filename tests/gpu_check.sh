@@ -2,8 +2,9 @@
 # The checks that need CUDA (the CPU suite cannot make them): run on a machine with 1 or more GPUs.
 #   bash tests/gpu_check.sh
 # run.sh on every visible GPU (NCCL, SyncBatchNorm, DDP with device_ids, bf16 autocast), resume with
-# fp16 and a GradScaler, -e with --save-predictions, the published recipe's sizes on full-size
-# 2048x1024 images (crop 768, global batch 16, full-resolution evaluation) in bf16, one image per GPU,
+# fp16 and a GradScaler, -e with --save-predictions, the recipe's sizes on photo-like 2048x1024 PNGs
+# (as slow to decode as Cityscapes'; crop 768, global batch 16, full-resolution evaluation) in bf16 with
+# -j 4, from the PNGs and from --cache-dir (compare with bench.py --gpu's model-only rate), one image per GPU,
 # and preemption (SIGTERM to run.sh: the step finishes, a checkpoint is saved, exit 0, resume).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -12,7 +13,7 @@ rm -rf "$T"; mkdir -p "$T"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
 python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'gpus', torch.cuda.device_count())"
 python dataset.py --synthetic "$T/small" --num-train 32 --num-val 6 --size 512 256 &
-python dataset.py --synthetic "$T/full" --num-train 64 --num-val 3 --size 2048 1024 --seed 1 &
+python dataset.py --synthetic "$T/full" --num-train 64 --num-val 3 --size 2048 1024 --seed 1 --photo &
 wait
 R=(--model deeplabv3plus_resnet101 --pretrained-backbone none -j 4 -p 4)
 echo "== 1. run.sh: nccl, SyncBN, DDP, bf16 autocast, eval, checkpoint"
@@ -22,8 +23,10 @@ DATA=$T/small OUTPUT_DIR=$T/o1 ./run.sh "${R[@]}" --crop-size 256 -b 4 --epochs 
 echo "== 3. -e with --save-predictions"
 DATA=$T/small OUTPUT_DIR=$T/o1 ./run.sh "${R[@]}" -e --resume "$T/o1/checkpoint.pth" --save-predictions "$T/preds" 2>&1 | tail -3
 ls "$T/preds" | head -3; python -c "import json; print(json.load(open('$T/o1/eval.json'))['num_images'])"
-echo "== 4. the recipe's sizes on 2048x1024 images, bf16 (channels_last and cudnn.benchmark are on by default)"
-DATA=$T/full OUTPUT_DIR=$T/o2 ./run.sh --pretrained-backbone none --epochs 1 -p 1 -j 6 --amp 2>&1 | grep -v "^  "
+echo "== 4. the recipe's sizes on photo-like 2048x1024 PNGs, bf16, -j 4: from the PNGs, then decoded once (--cache-dir)"
+DATA=$T/full OUTPUT_DIR=$T/o2 ./run.sh --pretrained-backbone none --epochs 1 -p 1 -j 4 --amp 2>&1 | grep -v "^  "
+python dataset.py --prepare-cache "$T/cache" --data "$T/full" --split train val
+DATA=$T/full OUTPUT_DIR=$T/o3 ./run.sh --pretrained-backbone none --epochs 1 -p 1 -j 4 --amp --cache-dir "$T/cache" 2>&1 | grep -v "^  "
 echo "== 5. one image per GPU (ASPP's pooling BatchNorm on a 1x1 map)"
 DATA=$T/small OUTPUT_DIR=$T/o4 ./run.sh "${R[@]}" --crop-size 256 -b 1 --epochs 1 -p 16 --amp 2>&1 | grep -E "^epoch 0:|error"
 echo "== 6. preemption on the GPU: SIGTERM to run.sh mid-epoch, exit 0, then resume to the end"
