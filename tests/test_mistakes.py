@@ -147,6 +147,7 @@ def test_checkpoints_that_cannot_resume_training(tiny_data, trained, tmp_path, c
     torch.save(torch.load(os.path.join(out, "checkpoint.pth"), weights_only=True)["model"], weights)
     line = _main_fails(common + ["--epochs", "3", "--resume", weights], capsys)
     assert "weights only" in line and "-e" in line, line
+    assert _snapshot(out) == before  # neither mistake touched the run
     main.main(main.get_args_parser().parse_args(common + ["-e", "--resume", weights]))  # enough for -e
     assert "mIoU" in capsys.readouterr().out
     empty = str(tmp_path / "empty")
@@ -180,7 +181,7 @@ def test_a_full_disk_keeps_the_previous_checkpoint_and_no_half_file(tmp_path, mo
     assert _snapshot(str(tmp_path)) == before  # no .tmp left, checkpoint.pth and .prev.pth as they were
 
 
-def test_the_data_folder_as_people_have_it(tiny_data, tmp_path, capsys):
+def test_the_data_folder_as_people_have_it(tiny_data, tmp_path, previous_run, capsys):
     data = str(tmp_path / "data")
     shutil.copytree(tiny_data, data)
     for split in ("train", "val"):  # a copy that went through a Mac, and a note beside the cities
@@ -190,7 +191,8 @@ def test_the_data_folder_as_people_have_it(tiny_data, tmp_path, capsys):
     train = os.path.join(data, "leftImg8bit", "train")
     city = [os.path.join(train, c) for c in sorted(os.listdir(train)) if os.path.isdir(os.path.join(train, c))][0]
     open(os.path.join(city, ".DS_Store"), "wb").close()
-    common = ["--data", data, "--output-dir", str(tmp_path / "out"), *TRAIN_ARGS, "--check-only", "2"]
+    before = _snapshot(previous_run)
+    common = ["--data", data, "--output-dir", previous_run, *TRAIN_ARGS, "--check-only", "2", "--overwrite"]
     main.main(main.get_args_parser().parse_args(common))  # stray files are ignored
     assert "error" not in capsys.readouterr().err
 
@@ -207,6 +209,7 @@ def test_the_data_folder_as_people_have_it(tiny_data, tmp_path, capsys):
     Image.new("L", (64, 32), 200).save(label)  # a val label with values no labelIds image has
     line = _main_fails(common, capsys)
     assert label in line and "not a Cityscapes labelIds image" in line, line  # before training, not after epoch 1
+    assert _snapshot(previous_run) == before
 
 
 @pytest.mark.parametrize("variables, expect", [
