@@ -65,10 +65,14 @@ def describe(mode):
     """A short name of the mode, for eval.json and the logs."""
     if mode is None:
         return "single-scale"
-    text = "scales " + ",".join(f"{scale:g}" for scale in mode["scales"]) + (" + flip" if mode["flip"] else "")
+    parts = []
+    if mode["scales"] != [1.0]:
+        parts.append("scales " + ",".join(f"{scale:g}" for scale in mode["scales"]))
+    if mode["flip"]:
+        parts.append("flip")
     if mode["crop"]:
-        text += f", window {mode['crop'][0]}x{mode['crop'][1]} stride {mode['stride'][0]}x{mode['stride'][1]}"
-    return text
+        parts.append(f"window {mode['crop'][0]}x{mode['crop'][1]} stride {mode['stride'][0]}x{mode['stride'][1]}")
+    return " + ".join(parts) or "scales 1"
 
 
 def _window_starts(size, window, stride):

@@ -95,5 +95,5 @@ def test_main_e_records_the_mode_and_its_speed(tiny_data, tmp_path):
          *TRAIN_ARGS, "--eval-scales", "0.75", "1.0", "--eval-flip", "--eval-crop", "24", "--eval-stride", "16"])
     with open(tmp_path / "eval.json") as f:
         result = json.load(f)
-    assert result["mode"] == "scales 0.75,1 + flip, window 24x24 stride 16x16"
+    assert result["mode"] == "scales 0.75,1 + flip + window 24x24 stride 16x16"
     assert result["images_per_s"] > 0 and result["num_images"] == 5 and 0 <= result["miou"] <= 1
