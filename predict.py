@@ -106,27 +106,33 @@ def load_model(path):
 
 def find_images(inputs, output_dir):
     """-> sorted [(path, name)]: every image the inputs name, each once; name: its path below the folder
-    common to all inputs. Folders are searched recursively, leaving out the output folder."""
+    common to all inputs. Folders and glob patterns yield the files with an image's extension; a file named
+    by itself is taken whatever its extension. Nothing inside the output folder is ever an input."""
     output_dir = os.path.realpath(output_dir)
+
+    def in_output(path):
+        real = os.path.realpath(path)
+        return real == output_dir or real.startswith(output_dir + os.sep)
+
     files, roots = {}, []
     for text in inputs:
-        matches = [text] if os.path.exists(text) else sorted(glob.glob(text, recursive=True))
+        named = os.path.exists(text)
+        matches = [text] if named else sorted(glob.glob(text, recursive=True))
         if not matches:
             fail(f"{text}: no such file or folder, and no file matches it as a pattern")
         for match in matches:
+            if in_output(match):
+                if named:
+                    fail(f"{text} is inside --output-dir {output_dir}: predictions are never written among the "
+                         "inputs; give another --output-dir")
+                continue  # a pattern's match in the output folder: an earlier run's prediction
             if os.path.isdir(match):
-                if os.path.realpath(match) == output_dir:
-                    fail(f"--output-dir {output_dir} is an input folder: predictions are never written among the inputs")
                 roots.append(os.path.abspath(match))
                 for folder, subfolders, names in os.walk(match):
-                    subfolders[:] = sorted(d for d in subfolders
-                                           if os.path.realpath(os.path.join(folder, d)) != output_dir)
-                    for name in names:
-                        if name.lower().endswith(EXTENSIONS):
-                            files[os.path.abspath(os.path.join(folder, name))] = True
-            elif os.path.isfile(match):  # named one by one (or by a pattern): taken whatever its extension
-                if os.path.realpath(os.path.dirname(os.path.abspath(match))) == output_dir:
-                    fail(f"--output-dir {output_dir} holds the input {match}: give another folder")
+                    subfolders[:] = sorted(d for d in subfolders if not in_output(os.path.join(folder, d)))
+                    files.update((os.path.abspath(os.path.join(folder, name)), True) for name in names
+                                 if name.lower().endswith(EXTENSIONS))
+            elif named or match.lower().endswith(EXTENSIONS):
                 roots.append(os.path.dirname(os.path.abspath(match)))
                 files[os.path.abspath(match)] = True
     if not files:

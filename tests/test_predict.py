@@ -99,8 +99,9 @@ def test_torchrun_two_processes_write_every_image_once(checkpoint, tmp_path):
     out = os.path.join(inputs, "out")
     os.makedirs(out)
     Image.new("RGB", (16, 16)).save(os.path.join(out, "stale.png"))  # the output folder is never an input
+    # A pattern, as the shell would leave it: it matches the folders, the images, notes.txt and out/stale.png.
     log = run([PY, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-               "predict.py", "--resume", checkpoint, inputs, "--output-dir", out, "-j", "0", "--what", "label",
+               "predict.py", "--resume", checkpoint, os.path.join(inputs, "**", "*"), "--output-dir", out, "-j", "0", "--what", "label",
                "--eval-flip"])
     assert "predicting 8 images" in log and "2 process(es)" in log and "(flip)" in log
     assert "wrote 8 predictions" in log  # the sum over both ranks: no image twice
@@ -131,7 +132,8 @@ def test_mistakes_end_in_one_line(checkpoint, tmp_path, capsys):
         ("--resume", checkpoint): "no INPUT",
         ("--resume", checkpoint, folder): "no images",
         ("--resume", checkpoint, str(tmp_path / "nothing*.png")): "no such file or folder",
-        ("--resume", checkpoint, folder, "--output-dir", folder): "is an input folder",
+        ("--resume", checkpoint, folder, "--output-dir", folder): "is inside --output-dir",
+        ("--resume", checkpoint, folder, "--output-dir", str(tmp_path)): "is inside --output-dir",
         ("--resume", checkpoint, "--export", "m.onnx", folder): "give it no INPUT",
     }
     for argv, words in cases.items():
