@@ -334,9 +334,10 @@ def evaluate_checkpoint(args, model, val_loader, val_ids, device, autocast, num_
     miou, iou = iou_from_confusion(confusion)
     print_iou_table(miou, iou)
     if is_main_process():
+        elapsed = time.time() - start
         result = {"miou": miou, "iou": iou_dict(iou), "num_images": num_images,  # each once
-                  "checkpoint": checkpoint, "eval_time_s": time.time() - start, "mode": inference.describe(mode),
-                  "images_per_s": num_images / (time.time() - start)}
+                  "checkpoint": checkpoint, "eval_time_s": elapsed, "mode": inference.describe(mode),
+                  "images_per_s": num_images / elapsed}
         with open(os.path.join(args.output_dir, "eval.json"), "w") as f:
             json.dump(result, f, indent=1)
         save_picture(os.path.join(args.output_dir, "vis", "eval.png"), sample)
