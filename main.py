@@ -37,6 +37,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Subset
 
 import checks
+import inference
 import recovery
 from dataset import (CLASS_NAMES, IGNORE_INDEX, NUM_CLASSES, TRAINID_TO_ID, BadInput, Cityscapes, colorize,
                      default_workers, normalize)
@@ -104,6 +105,7 @@ def get_args_parser():
                         help="torch.compile the DDP model (off: slower than channels_last alone on an H200)")
     parser.add_argument("--find-unused-parameters", action="store_true",
                         help="only for models with parameters that get no gradient; costs a graph walk a step")
+    inference.add_arguments(parser)  # -e with multi-scale, flip, sliding window: --eval-scales, ... (inference.py)
     # Step 1: the local rank, the GPU this process drives. The tutorial reads --local_rank; since
     # PyTorch 2.0 torch.distributed.launch passes --local-rank, and torchrun passes no argument at all,
     # only the environment variable LOCAL_RANK. Accept both spellings, and fall back to the environment.
@@ -329,13 +331,16 @@ def make_optimizer(model, args):
 
 def evaluate_checkpoint(args, model, val_loader, val_ids, device, autocast, num_images, checkpoint):
     """-e: evaluate --resume's model on val, print the table; rank 0 writes eval.json and the picture."""
-    start = time.time()
-    confusion, sample = evaluate(model, val_loader, device, autocast, val_ids, args.save_predictions)
+    start, mode = time.time(), inference.read_mode(args)
+    confusion, sample = evaluate(inference.wrap(model, mode), val_loader, device, autocast, val_ids,
+                                 args.save_predictions)
     miou, iou = iou_from_confusion(confusion)
     print_iou_table(miou, iou)
     if is_main_process():
+        elapsed = time.time() - start
         result = {"miou": miou, "iou": iou_dict(iou), "num_images": num_images,  # each once
-                  "checkpoint": checkpoint, "eval_time_s": time.time() - start}
+                  "checkpoint": checkpoint, "eval_time_s": elapsed, "mode": inference.describe(mode),
+                  "images_per_s": num_images / elapsed}
         with open(os.path.join(args.output_dir, "eval.json"), "w") as f:
             json.dump(result, f, indent=1)
         save_picture(os.path.join(args.output_dir, "vis", "eval.png"), sample)
@@ -368,6 +373,7 @@ def record_epoch(args, state, is_best, sample, record, estimate=False):
 def main(args):
     use_cuda = torch.cuda.is_available()
     crop_size = checks.check_args(args, use_cuda)
+    inference.read_mode(args, applies=args.evaluate)  # a mistake in --eval-* is found before any work
     recovery.set_quiet(bool(args.check_only))
     restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
     if restarts and not args.resume:

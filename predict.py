@@ -1,0 +1,313 @@
+"""The trained model on any images: colour masks, overlays and label maps; or the model exported to ONNX.
+
+    python predict.py --resume output/best.pth photos/ --output-dir predictions/
+    python predict.py --resume output/best.pth 'frames/**/*.jpg' --eval-scales 0.75 1.0 1.25 --eval-flip
+    torchrun --standalone --nproc_per_node=2 predict.py --resume output/best.pth data/cityscapes/leftImg8bit/test \
+        --format labelid --what label          # each rank predicts every second image
+    python predict.py --resume output/best.pth --export model.onnx
+
+INPUT: image files, folders (searched recursively; the output folder is left out) or glob patterns; JPEG,
+PNG, WebP, BMP, TIFF in any mode and size, turned as their EXIF orientation says (as a viewer shows them).
+Everything the model needs (its name, output stride, classes) comes from the checkpoint.
+
+Output, each prediction at its input's size, one folder per kind, each mirroring the inputs' folders:
+
+    predictions/color/<path>.png       the classes in their colours
+    predictions/overlay/<path>.png     the image with the colours blended in (--alpha)
+    predictions/trainIds/<path>.png    the class of each pixel (--format labelid: labelIds/, Cityscapes' ids,
+                                       what cityscapesScripts' evaluation reads)
+
+<path> is the input's path below the folder common to all inputs, with its extension kept (a.jpg ->
+a.jpg.png), so two frame.png in different folders, or a.jpg and a.png in one, never collide. A file that
+cannot be decoded is named and skipped; the others are still written, and the exit status says how many
+could not be read.
+"""
+import argparse
+import concurrent.futures
+import contextlib
+import functools
+import glob
+import os
+import sys
+import time
+from datetime import timedelta
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from PIL import Image, ImageOps
+from torch.utils.data import DataLoader, Dataset
+
+import inference
+import recovery
+from checks import at_least, fraction
+from dataset import CLASS_COLORS, CLASS_NAMES, TRAINID_TO_ID, default_workers, normalize
+from models import MODEL_NAMES, build_model
+
+EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".tif", ".tiff")
+KINDS = ("color", "overlay", "label")
+
+
+def get_args_parser():
+    parser = argparse.ArgumentParser(prog="predict.py", description="DeepLab predictions on any images",
+                                     allow_abbrev=False)
+    parser.add_argument("inputs", nargs="*", metavar="INPUT", help="image files, folders or glob patterns")
+    parser.add_argument("--resume", required=True, metavar="PATH", help="a checkpoint main.py wrote (best.pth)")
+    parser.add_argument("--output-dir", default="predictions")
+    parser.add_argument("--what", nargs="+", choices=KINDS, default=list(KINDS), help="which outputs to write")
+    parser.add_argument("--format", choices=("trainid", "labelid"), default="trainid",
+                        help="label maps of trainIds (0-18, the model's classes) or Cityscapes labelIds")
+    parser.add_argument("--alpha", type=fraction(high_open=False), default=0.5, help="the colours' weight in the overlay")
+    parser.add_argument("-b", "--batch-size", type=at_least(1), default=4, help="images of one size per forward")
+    parser.add_argument("-j", "--workers", type=at_least(0), default=None,
+                        help="decoding workers per process (default: this process's share of the cores, less one)")
+    parser.add_argument("--amp", nargs="?", const="bf16", choices=("bf16", "fp16"), default=None,
+                        help="mixed precision: bf16 (default when given alone) or fp16 (CUDA only)")
+    parser.add_argument("--export", default=None, metavar="FILE.onnx",
+                        help="write the model as ONNX (dynamic batch, height, width) instead of predicting")
+    inference.add_arguments(parser)
+    return parser
+
+
+def fail(message):
+    """One line, said once (by rank 0 under torchrun: every rank finds the same mistake), exit 1."""
+    if recovery.is_main_process():
+        print(f"predict.py: error: {message}", file=sys.stderr, flush=True)
+    sys.exit(1)
+
+
+def load_model(path):
+    """-> (model in eval mode, {"names", "colors"}). Everything from the checkpoint: the model's name and output
+    stride from its args, the number of classes from the classifier, the classes' names and colours from
+    "classes" when it has them (else Cityscapes')."""
+    if not os.path.isfile(path):
+        fail(f"--resume {path}: no such file")
+    checkpoint, problem = recovery.read_checkpoint(path)
+    if problem:
+        fail(f"--resume {path} {problem}")
+    saved = checkpoint.get("args") or {}
+    if "model" not in saved:
+        fail(f"--resume {path} holds weights without the model's name (no args['model']): give a checkpoint "
+             "main.py wrote (best.pth or checkpoint.pth)")
+    classifier = checkpoint["model"].get("classifier.weight")
+    if saved["model"] not in MODEL_NAMES or classifier is None:
+        fail(f"--resume {path} is not a checkpoint of this project's DeepLab (model {saved['model']!r})")
+    num_classes = classifier.shape[0]
+    model = build_model(saved["model"], num_classes, saved.get("output_stride", 16))
+    try:
+        model.load_state_dict(checkpoint["model"])
+    except RuntimeError as error:
+        fail(f"--resume {path} does not fit {saved['model']} ({str(error).splitlines()[1].strip()[:150]})")
+    classes = checkpoint.get("classes") or {"names": CLASS_NAMES, "colors": CLASS_COLORS}
+    if len(classes["names"]) != num_classes:
+        fail(f"--resume {path} has {num_classes} classes but names for {len(classes['names'])}")
+    return model.eval(), classes
+
+
+def find_images(inputs, output_dir):
+    """-> sorted [(path, name)]: every image the inputs name, each once; name: its path below the folder
+    common to all inputs. Folders and glob patterns yield the files with an image's extension; a file named
+    by itself is taken whatever its extension. Nothing inside the output folder is ever an input."""
+    output_dir = os.path.realpath(output_dir)
+
+    def in_output(path):
+        real = os.path.realpath(path)
+        return real == output_dir or real.startswith(output_dir + os.sep)
+
+    files, roots = {}, []
+    for text in inputs:
+        named = os.path.exists(text)
+        matches = [text] if named else sorted(glob.glob(text, recursive=True))
+        if not matches:
+            fail(f"{text}: no such file or folder, and no file matches it as a pattern")
+        for match in matches:
+            if in_output(match):
+                if named:
+                    fail(f"{text} is inside --output-dir {output_dir}: predictions are never written among the "
+                         "inputs; give another --output-dir")
+                continue  # a pattern's match in the output folder: an earlier run's prediction
+            if os.path.isdir(match):
+                roots.append(os.path.abspath(match))
+                for folder, subfolders, names in os.walk(match):
+                    subfolders[:] = sorted(d for d in subfolders if not in_output(os.path.join(folder, d)))
+                    files.update((os.path.abspath(os.path.join(folder, name)), True) for name in names
+                                 if name.lower().endswith(EXTENSIONS))
+            elif named or match.lower().endswith(EXTENSIONS):
+                roots.append(os.path.dirname(os.path.abspath(match)))
+                files[os.path.abspath(match)] = True
+    if not files:
+        fail(f"no images ({', '.join(e[1:] for e in EXTENSIONS)}) in {' '.join(inputs)}")
+    root = os.path.commonpath(roots)
+    return sorted((path, os.path.relpath(path, root)) for path in files)
+
+
+def read_any_image(path):
+    """uint8 (3, H, W) as a viewer shows the file: EXIF orientation applied, any mode made RGB."""
+    with Image.open(path) as image:
+        upright = ImageOps.exif_transpose(image)
+        rgb = upright.convert("RGB")
+    return torch.from_numpy(np.asarray(rgb).copy()).permute(2, 0, 1)
+
+
+class ImageFiles(Dataset):
+    """Decoded in DataLoader workers. Item: (index, uint8 image or None, why it could not be read)."""
+
+    def __init__(self, paths):
+        self.paths = paths
+
+    def __len__(self):
+        return len(self.paths)
+
+    def __getitem__(self, index):
+        try:
+            return index, read_any_image(self.paths[index]), ""
+        except Exception as error:  # the main loop names the file and goes on with the others
+            return index, None, (str(error).splitlines() or [type(error).__name__])[0][:200]
+
+
+def output_paths(output_dir, name, what, label_format):
+    folders = {"color": "color", "overlay": "overlay", "label": "labelIds" if label_format == "labelid" else "trainIds"}
+    return {kind: os.path.join(output_dir, folders[kind], name + ".png") for kind in what}
+
+
+def write_outputs(prediction, image, paths, palette, args):
+    """prediction: (H, W) class indices; image: uint8 (3, H, W). Runs in a writer thread (PNG encoding lets
+    go of the GIL), beside the next forward."""
+    prediction = prediction.long()  # an index: uint8 would be read as a mask
+    for kind, path in paths.items():
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        if kind == "color":
+            picture = palette[prediction]
+        elif kind == "overlay":
+            blended = image.permute(1, 2, 0).float() * (1 - args.alpha) + palette[prediction].float() * args.alpha
+            picture = blended.round().to(torch.uint8)
+        elif args.format == "labelid":
+            picture = TRAINID_TO_ID[prediction]
+        else:
+            picture = prediction.to(torch.uint8)
+        Image.fromarray(picture.numpy()).save(path)
+
+
+def export_onnx(model, path):
+    """ONNX: input "images", float32 (N, 3, H, W) normalised as in training (ImageNet mean and std); output
+    "logits", float32 (N, classes, H, W). Batch, height and width dynamic. Needs onnx and onnxscript
+    (requirements-test.txt), which training does not."""
+    dynamic = torch.export.Dim.DYNAMIC
+    example = torch.randn(2, 3, 96, 160)  # batch 2, not 1: an example of size 1 would be fixed as a constant
+    try:
+        torch.onnx.export(model, (example,), path, input_names=["images"], output_names=["logits"],
+                          dynamic_shapes={"images": {0: dynamic, 2: dynamic, 3: dynamic}}, dynamo=True,
+                          external_data=False, verbose=False)
+    except ImportError as error:
+        fail(f"--export needs onnx and onnxscript ({error}): pip install -r requirements-test.txt")
+
+
+def main(args):
+    mode = inference.read_mode(args)
+    if args.export is not None:
+        if args.inputs or mode:
+            fail("--export writes the plain model and exits: give it no INPUT and no --eval-* flag")
+        model, _ = load_model(args.resume)
+        export_onnx(model, args.export)
+        print(f"wrote {args.export}: images float32 (N, 3, H, W), ImageNet-normalised -> logits float32 "
+              f"(N, classes, H, W)")
+        return
+    if not args.inputs:
+        fail("no INPUT: name image files, folders or glob patterns (or --export FILE.onnx)")
+    if args.amp == "fp16" and not torch.cuda.is_available():
+        fail("--amp fp16 needs CUDA; on the CPU use --amp bf16 or no --amp")
+    model, classes = load_model(args.resume)
+    if args.format == "labelid" and list(classes["names"]) != list(CLASS_NAMES):
+        fail("--format labelid writes Cityscapes' labelIds, but this model's classes are not Cityscapes': use "
+             "--format trainid")
+    images = find_images(args.inputs, args.output_dir)
+    inputs = {os.path.realpath(path) for path, _ in images}
+    for _, name in images:
+        for path in output_paths(args.output_dir, name, args.what, args.format).values():
+            if os.path.realpath(path) in inputs:
+                fail(f"{path} is an input and would be overwritten: choose another --output-dir")
+
+    # Under torchrun: each rank predicts every world_size-th image of the sorted list, so each image
+    # exactly once. The only collective is the count at the end: gloo, on CPU tensors, GPUs or not.
+    distributed = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    if distributed:
+        dist.init_process_group("gloo")
+    rank, world_size = recovery.get_rank(), recovery.get_world_size()
+    device = torch.device("cpu")
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+        torch.backends.cudnn.benchmark = True
+    model.to(device)
+    amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.amp)
+    autocast = (functools.partial(torch.autocast, device.type, dtype=amp_dtype) if amp_dtype
+                else contextlib.nullcontext)
+    shard = images[rank::world_size]
+    workers = args.workers if args.workers is not None else default_workers()
+    loader = DataLoader(ImageFiles([path for path, _ in shard]), batch_size=None, num_workers=workers,
+                        pin_memory=device.type == "cuda", worker_init_fn=recovery.ignore_sigint)
+    palette = torch.zeros(256, 3, dtype=torch.uint8)
+    palette[:len(classes["colors"])] = torch.tensor(classes["colors"], dtype=torch.uint8)
+    recovery.log(f"predicting {len(images)} images with {os.path.basename(args.resume)} "
+                 f"({inference.describe(mode)}), {world_size} process(es), device {device.type}")
+
+    writer = concurrent.futures.ThreadPoolExecutor(max_workers=2)
+    writes, done, failed = [], 0, 0
+    start = last_report = time.time()
+
+    @torch.inference_mode()
+    def run_batch(batch):
+        """batch: [(index, image)] of one size: one forward, then each image's files handed to the writer."""
+        nonlocal done, last_report
+        stacked = torch.stack([image for _, image in batch]).to(device, non_blocking=True)
+        with autocast():
+            predictions = inference.predict(model, normalize(stacked), mode).argmax(1).to(torch.uint8).cpu()
+        for (index, image), prediction in zip(batch, predictions):
+            paths = output_paths(args.output_dir, shard[index][1], args.what, args.format)
+            writes.append(writer.submit(write_outputs, prediction, image, paths, palette, args))
+        while len(writes) > 4 * args.batch_size:  # the writer may lag; do not let images pile up in memory
+            writes.pop(0).result()
+        done += len(batch)
+        now = time.time()
+        if now - last_report > 2 or done + failed == len(shard):
+            rate = done / (now - start)
+            eta = (len(shard) - done - failed) / max(rate, 1e-9)
+            ranks = f" on rank 0 (x{world_size} processes)" if world_size > 1 else ""
+            recovery.log(f"{done}/{len(shard)} images{ranks}, {rate:.2f} images/s, eta {timedelta(seconds=round(eta))}")
+            last_report = now
+
+    # Images of one size share a forward: each waits in its size's bucket until the bucket is full.
+    buckets = {}
+    for index, image, problem in loader:
+        if image is None:
+            print(f"predict.py: {shard[index][0]} cannot be read ({problem}): skipped", file=sys.stderr, flush=True)
+            failed += 1
+            continue
+        bucket = buckets.setdefault(tuple(image.shape[-2:]), [])
+        bucket.append((index, image))
+        if len(bucket) == args.batch_size:
+            run_batch(buckets.pop(tuple(image.shape[-2:])))
+    for bucket in buckets.values():
+        run_batch(bucket)
+    for write in writes:
+        write.result()  # a write that failed (a full disk) raises here
+    writer.shutdown()
+
+    counts = torch.tensor([done, failed])
+    if distributed:
+        dist.all_reduce(counts)  # the sum over ranks: each image counted once
+        dist.destroy_process_group()
+    written, unreadable = counts.tolist()
+    elapsed = time.time() - start
+    recovery.log(f"wrote {written} predictions to {args.output_dir} in {timedelta(seconds=round(elapsed))} "
+                 f"({written / elapsed:.2f} images/s)")
+    if unreadable:
+        fail(f"{unreadable} of {written + unreadable} images could not be read (named above); the others were written")
+
+
+if __name__ == "__main__":
+    parsed = get_args_parser().parse_args()
+    try:
+        main(parsed)
+    except recovery.UserError as error:  # from inference.read_mode
+        fail(error)

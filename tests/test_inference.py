@@ -1,0 +1,99 @@
+"""inference.py: multi-scale, flip and sliding window give the plain evaluation back where they should."""
+import argparse
+import json
+import os
+import sys
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from conftest import TRAIN_ARGS, run
+import inference
+import main
+from dataset import Cityscapes
+from models import build_model
+
+PY = sys.executable
+
+
+def varied_model(seed=0):
+    """The tests' tiny DeepLab with random weights, made to predict many classes: random weights alone give
+    logits whose mean differs far more from class to class than from pixel to pixel (one class everywhere),
+    so the classifier's bias takes each class's mean logit away."""
+    torch.manual_seed(seed)
+    model = build_model(TRAIN_ARGS[1], 19, 16)
+    for module in model.modules():
+        if isinstance(module, torch.nn.BatchNorm2d):
+            module.running_mean.normal_(0, 0.1)
+            module.running_var.uniform_(0.5, 2.0)
+            module.weight.data.uniform_(0.5, 1.5)
+            module.bias.data.normal_(0, 0.5)
+    model.eval()
+    with torch.no_grad():
+        model.classifier.bias -= model(torch.rand(1, 3, 32, 64) * 4 - 2).mean((0, 2, 3))
+    return model
+
+
+def mode_of(argv):
+    parser = argparse.ArgumentParser()
+    inference.add_arguments(parser)
+    return inference.read_mode(parser.parse_args(argv))
+
+
+def confusion(model, tiny_data):
+    loader = DataLoader(Cityscapes(tiny_data, "val"), batch_size=1)
+    return main.evaluate(model, loader, torch.device("cpu"))[0]
+
+
+@pytest.mark.parametrize("argv", [["--eval-scales", "1.0"], ["--eval-crop", "32", "64"], ["--eval-crop", "100"]],
+                         ids=["one scale of 1.0", "a window as large as the image", "a window larger than the image"])
+def test_one_view_gives_the_plain_evaluations_confusion_matrix(argv, tiny_data):
+    model = varied_model()
+    plain = confusion(model, tiny_data)
+    assert (plain.sum(0) > 0).sum() >= 3  # several classes predicted: the comparison means something
+    assert torch.equal(confusion(inference.wrap(model, mode_of(argv)), tiny_data), plain)
+
+
+def test_windows_cover_every_pixel_and_end_at_the_edge():
+    assert inference._window_starts(1024, 769, 513) == [0, 255]  # mmsegmentation's slide mode on Cityscapes
+    assert inference._window_starts(2048, 769, 513) == [0, 513, 1026, 1279]
+    assert inference._window_starts(10, 4, 3) == [0, 3, 6]
+    assert inference._window_starts(30, 64, 10) == [0]
+
+
+def test_views_average_to_probabilities_at_the_inputs_size():
+    model, images = varied_model(), torch.randn(2, 3, 37, 53)
+    scores = inference.predict(model, images, mode_of(["--eval-scales", "0.5", "1.25", "--eval-flip",
+                                                       "--eval-crop", "24", "--eval-stride", "16"]))
+    assert scores.shape == (2, 19, 37, 53)
+    assert torch.allclose(scores.sum(1), torch.ones(2, 37, 53), atol=1e-5)
+    # A flip-symmetric mode on a mirror image predicts the mirror image.
+    flipped = inference.predict(model, images.flip(-1), mode_of(["--eval-flip"]))
+    assert torch.allclose(flipped.flip(-1), inference.predict(model, images, mode_of(["--eval-flip"])), atol=1e-5)
+
+
+def test_eval_flags_checked_in_one_line(tiny_data, tmp_path, capsys):
+    assert mode_of([]) is None
+    assert mode_of(["--eval-crop", "769"])["stride"] == (513, 513)
+    for argv in (["--eval-stride", "8"], ["--eval-crop", "16", "--eval-stride", "17"], ["--eval-crop", "8", "9", "10"]):
+        with pytest.raises(main.recovery.UserError):
+            mode_of(argv)
+    # Training evaluates single-scale after each epoch: main.py says so before any work.
+    args = main.get_args_parser().parse_args(["--data", tiny_data, "--output-dir", str(tmp_path), *TRAIN_ARGS,
+                                              "--eval-scales", "1", "2"])
+    with pytest.raises(SystemExit):
+        main.main(args)
+    assert capsys.readouterr().err.startswith("main.py: error: --eval-scales")
+
+
+def test_main_e_records_the_mode_and_its_speed(tiny_data, tmp_path):
+    checkpoint = str(tmp_path / "random.pth")
+    torch.save({"model": varied_model().state_dict(), "args": {"model": TRAIN_ARGS[1], "output_stride": 16}},
+               checkpoint)
+    run([PY, "main.py", "-e", "--resume", checkpoint, "--data", tiny_data, "--output-dir", str(tmp_path),
+         *TRAIN_ARGS, "--eval-scales", "0.75", "1.0", "--eval-flip", "--eval-crop", "24", "--eval-stride", "16"])
+    with open(tmp_path / "eval.json") as f:
+        result = json.load(f)
+    assert result["mode"] == "scales 0.75,1 + flip + window 24x24 stride 16x16"
+    assert result["images_per_s"] > 0 and result["num_images"] == 5 and 0 <= result["miou"] <= 1

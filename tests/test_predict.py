@@ -1,0 +1,156 @@
+"""predict.py as a user runs it: any images in, one prediction each at its size; bad input named; torchrun
+shares the images out; the ONNX export computes what PyTorch computes."""
+import hashlib
+import os
+import subprocess
+import sys
+
+import numpy as np
+import onnxruntime  # not skipped when missing: requirements-test.txt installs it, in CI too
+import pytest
+import torch
+from PIL import Image
+
+from conftest import ROOT, TRAIN_ARGS, free_port, run
+from dataset import CLASS_COLORS, TRAINID_TO_ID
+from test_inference import varied_model
+import predict
+
+PY = sys.executable
+# name: (size as seen (width, height), how it is written)
+IMAGES = {
+    "frame.png": ((40, 30), "RGB"),
+    "sub/frame.png": ((40, 30), "RGB"),  # the same name in another folder
+    "a.jpg": ((47, 33), "L"),            # a.jpg and a.png in one folder
+    "a.png": ((47, 33), "RGBA"),
+    "deep/er/p.bmp": ((20, 50), "P"),
+    "t.tiff": ((64, 32), "RGB"),
+    "w.webp": ((30, 30), "RGB"),
+    "phone.jpg": ((24, 48), "EXIF"),    # stored 48x24 with orientation 6: seen turned, 24 wide
+}
+
+
+def write_images(folder, broken=True):
+    rng = np.random.default_rng(0)
+    for name, ((width, height), kind) in IMAGES.items():
+        path = os.path.join(folder, name)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        if kind == "EXIF":
+            exif = Image.Exif()
+            exif[0x0112] = 6  # orientation: rotate 90 degrees clockwise to view
+            Image.fromarray(rng.integers(0, 255, (width, height, 3), dtype=np.uint8)).save(path, exif=exif)
+        else:
+            pixels = rng.integers(0, 255, (height, width, 4), dtype=np.uint8)
+            Image.fromarray(pixels, "RGBA").convert(kind).save(path)
+    with open(os.path.join(folder, "notes.txt"), "w") as f:
+        f.write("not an image: left alone")
+    if broken:
+        with open(os.path.join(folder, "broken.png"), "wb") as f:
+            f.write(b"\x89PNG\r\n\x1a\n" + b"\x00" * 40)
+
+
+def fingerprint(folder):
+    found = {}
+    for place, _, names in os.walk(folder):
+        for name in names:
+            with open(os.path.join(place, name), "rb") as f:
+                found[os.path.relpath(os.path.join(place, name), folder)] = hashlib.sha1(f.read()).hexdigest()
+    return found
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("model") / "best.pth")
+    torch.save({"model": varied_model().state_dict(), "args": {"model": TRAIN_ARGS[1], "output_stride": 16}}, path)
+    return path
+
+
+def test_any_image_predicted_at_its_size_and_a_broken_one_named(checkpoint, tmp_path):
+    inputs = str(tmp_path / "photos")
+    write_images(inputs)
+    before = fingerprint(inputs)
+    out = os.path.join(inputs, "predictions")  # inside the input folder: left out of the search
+    command = [PY, "predict.py", "--resume", checkpoint, inputs, "--output-dir", out, "--format", "labelid",
+               "-j", "1", "-b", "2"]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""})
+    assert result.returncode == 1, result.stderr
+    errors = result.stderr.splitlines()
+    assert [line for line in errors if "broken.png" in line] == [
+        line for line in errors if line.startswith(f"predict.py: {os.path.join(inputs, 'broken.png')} cannot be read")]
+    assert errors[-1] == ("predict.py: error: 1 of 9 images could not be read (named above); "
+                          "the others were written"), result.stderr
+    colors = {tuple(c) for c in CLASS_COLORS}
+    for name, (size, _) in IMAGES.items():
+        label = Image.open(os.path.join(out, "labelIds", name + ".png"))
+        assert label.size == size and label.mode == "L", name
+        assert set(np.unique(np.asarray(label))) <= set(TRAINID_TO_ID.tolist()), name
+        color = np.asarray(Image.open(os.path.join(out, "color", name + ".png")))
+        assert color.shape == (size[1], size[0], 3) and {tuple(c) for c in color.reshape(-1, 3)} <= colors
+        assert Image.open(os.path.join(out, "overlay", name + ".png")).size == size
+    assert sorted(fingerprint(out)) == sorted(f"{kind}/{name}.png" for kind in ("color", "overlay", "labelIds")
+                                              for name in IMAGES)  # nothing else, nothing twice
+    assert {k: v for k, v in fingerprint(inputs).items() if not k.startswith("predictions/")} == before
+
+
+def test_torchrun_two_processes_write_every_image_once(checkpoint, tmp_path):
+    inputs = str(tmp_path / "photos")
+    write_images(inputs, broken=False)
+    out = os.path.join(inputs, "out")
+    os.makedirs(out)
+    Image.new("RGB", (16, 16)).save(os.path.join(out, "stale.png"))  # the output folder is never an input
+    # A pattern, as the shell would leave it: it matches the folders, the images, notes.txt and out/stale.png.
+    log = run([PY, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
+               "predict.py", "--resume", checkpoint, os.path.join(inputs, "**", "*"), "--output-dir", out, "-j", "0", "--what", "label",
+               "--eval-flip"])
+    assert "predicting 8 images" in log and "2 process(es)" in log and "(flip)" in log
+    assert "wrote 8 predictions" in log  # the sum over both ranks: no image twice
+    assert sorted(fingerprint(os.path.join(out, "trainIds"))) == sorted(name + ".png" for name in IMAGES)
+
+
+def _fails(argv, capsys):
+    with pytest.raises(SystemExit) as stop:
+        predict.main(predict.get_args_parser().parse_args(argv))
+    assert stop.value.code == 1
+    [line] = capsys.readouterr().err.splitlines()
+    return line
+
+
+def test_mistakes_end_in_one_line(checkpoint, tmp_path, capsys):
+    bare, other, text = (str(tmp_path / name) for name in ("bare.pth", "other.pth", "notes.pth"))
+    torch.save(varied_model().state_dict(), bare)
+    torch.save({"model": {"fc.weight": torch.zeros(2, 2)}, "args": {"model": "resnet50"}}, other)
+    with open(text, "w") as f:
+        f.write("not a checkpoint")
+    folder = str(tmp_path / "empty")
+    os.makedirs(folder)
+    cases = {
+        ("--resume", str(tmp_path / "missing.pth"), folder): "no such file",
+        ("--resume", bare, folder): "holds weights without the model's name",
+        ("--resume", other, folder): "is not a checkpoint of this project's DeepLab",
+        ("--resume", text, folder): "cannot be read",
+        ("--resume", checkpoint): "no INPUT",
+        ("--resume", checkpoint, folder): "no images",
+        ("--resume", checkpoint, str(tmp_path / "nothing*.png")): "no such file or folder",
+        ("--resume", checkpoint, folder, "--output-dir", folder): "is inside --output-dir",
+        ("--resume", checkpoint, folder, "--output-dir", str(tmp_path)): "is inside --output-dir",
+        ("--resume", checkpoint, "--export", "m.onnx", folder): "give it no INPUT",
+    }
+    for argv, words in cases.items():
+        line = _fails(list(argv), capsys)
+        assert line.startswith("predict.py: error: ") and words in line, (argv, line)
+
+
+def test_onnx_export_computes_what_pytorch_computes(checkpoint, tmp_path, capsys):
+    path = str(tmp_path / "model.onnx")
+    predict.main(predict.get_args_parser().parse_args(["--resume", checkpoint, "--export", path]))
+    session = onnxruntime.InferenceSession(path, providers=["CPUExecutionProvider"])
+    model = predict.load_model(checkpoint)[0]
+    for shape in ((1, 3, 64, 128), (3, 3, 75, 101)):  # batch, height and width other than the example's
+        images = torch.randn(shape)
+        with torch.no_grad():
+            expected = model(images).numpy()
+        [logits] = session.run(None, {"images": images.numpy()})
+        assert logits.shape == (shape[0], 19, *shape[2:]) and logits.dtype == np.float32
+        assert np.abs(logits - expected).max() < 1e-3
+        assert (logits.argmax(1) == expected.argmax(1)).mean() > 0.999
