@@ -13,7 +13,7 @@ import os
 
 from recovery import fail
 
-STARTED_RUN_FILES = ("checkpoint.pth", "checkpoint.prev.pth", "best.pth", "metrics.jsonl")
+STARTED_RUN_FILES = ("checkpoint.pth", "checkpoint.prev.pth", "best.pth", "metrics.jsonl", "eval.json")
 
 
 def _number(kind, low=None, high=None, low_open=False, high_open=False):
@@ -37,14 +37,14 @@ def _number(kind, low=None, high=None, low_open=False, high_open=False):
     return parse
 
 
-def at_least(low):
-    """An integer flag of at least low (-b 1, -j 0, ...)."""
-    return _number(int, low)
+def at_least(low, high=None):
+    """An integer flag of at least low (-b 1, -j 0, ...), at most high (--seed: what torch.manual_seed takes)."""
+    return _number(int, low, high)
 
 
-def positive():
-    """A number above 0 (--lr, --dist-timeout)."""
-    return _number(float, 0, low_open=True)
+def positive(high=None):
+    """A number above 0 (--lr), at most high (--dist-timeout: a week)."""
+    return _number(float, 0, high, low_open=True)
 
 
 def non_negative():
@@ -97,19 +97,33 @@ def _writable_folder(flag, path):
 
 
 def check_output(args, is_writer):
-    """The output folders: they can be written (found now, not after an epoch), and a training run without
-    --resume does not silently replace another run's checkpoints and metrics. is_writer: only rank 0 makes
-    and probes folders (the others only read: on several nodes they may see it a moment later)."""
-    for flag, path in (("--output-dir", args.output_dir), ("--save-predictions", args.save_predictions)):
+    """Which run this is, and its output folders. A torchrun restart carries on from the last checkpoint
+    (--resume auto). A training run does not silently replace another run's checkpoints and metrics: it
+    needs --resume auto (which continues it) or --overwrite (which removes it first, rank 0, not in a
+    check). The folders can be written (found now, not after an epoch). is_writer: only rank 0 makes and
+    probes folders (the others wait for it in init_process_group)."""
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0
+    if restarted:
+        args.resume = "auto"  # torchrun restarted us after a failure: carry on from the last checkpoint
+    elif args.overwrite and args.resume == "auto":
+        args.resume = ""  # run.sh passes --resume auto; --overwrite says: not this time
+    for flag, path in (("--output-dir", args.output_dir), ("--save-predictions", args.save_predictions),
+                       ("--cache-dir", args.cache_dir)):
         if path is not None and os.path.exists(path) and not os.path.isdir(path):
             fail(f"{flag} {path} is a file, not a folder: give a folder")
-    if not args.evaluate and not args.resume and not args.overwrite:
-        found = [name for name in STARTED_RUN_FILES if os.path.exists(os.path.join(args.output_dir, name))]
-        if found:
-            fail(f"--output-dir {args.output_dir} holds another run ({', '.join(found)}): continue it with --resume "
-                 "auto, choose another --output-dir, or replace it with --overwrite")
+    found = [name for name in STARTED_RUN_FILES if os.path.exists(os.path.join(args.output_dir, name))]
+    has_checkpoint = any(name.startswith("checkpoint") for name in found)
+    if found and not args.evaluate and not args.overwrite and (not args.resume or
+                                                               (args.resume == "auto" and not has_checkpoint)):
+        fail(f"--output-dir {args.output_dir} holds another run ({', '.join(found)}"
+             f"{'' if has_checkpoint else ', no checkpoint to continue from'}): continue it with --resume auto, "
+             "choose another --output-dir, or replace it with --overwrite")
     if is_writer:  # before init_process_group, which every rank waits in: the folders exist after it
         _writable_folder("--output-dir", args.output_dir)
+        if args.overwrite and not restarted and not args.check_only and not args.evaluate:
+            for name in found:
+                os.remove(os.path.join(args.output_dir, name))
         os.makedirs(os.path.join(args.output_dir, "vis"), exist_ok=True)
-        if args.save_predictions is not None:
-            _writable_folder("--save-predictions", args.save_predictions)
+        for flag, path in (("--save-predictions", args.save_predictions), ("--cache-dir", args.cache_dir)):
+            if path is not None:
+                _writable_folder(flag, path)

@@ -154,7 +154,7 @@ def read_image(path):
         with Image.open(path) as f:
             return np.asarray(f if f.mode == "RGB" else f.convert("RGB"))
     except Exception as error:
-        raise BadInput(f"{path} cannot be decoded ({str(error).splitlines()[0][:200]}); replace or remove it") from None
+        raise BadInput(f"{path} cannot be decoded ({str(error).splitlines()[0][:200]}); replace it, or remove the image and its label") from None
 
 
 def read_label(path):
@@ -169,7 +169,7 @@ def read_label(path):
             with Image.open(path) as f:
                 label_ids = np.asarray(f)  # mode "P": the indices; "L": the values
     except Exception as error:
-        raise BadInput(f"{path} cannot be decoded ({str(error).splitlines()[0][:200]}); replace or remove it") from None
+        raise BadInput(f"{path} cannot be decoded ({str(error).splitlines()[0][:200]}); replace it, or remove the image and its label") from None
     if label_ids.ndim != 2 or label_ids.dtype != np.uint8 or int(label_ids.max()) > MAX_LABEL_ID:
         raise BadInput(f"{path} is not a Cityscapes labelIds image (8-bit, values 0-{MAX_LABEL_ID}): "
                        f"it holds {label_ids.dtype} values up to {int(label_ids.max())}, shape "
@@ -198,7 +198,7 @@ def cached(cache_dir, source, read):
     try:
         path = cache_path(cache_dir, source)
     except OSError as error:
-        raise BadInput(f"{source} cannot be read ({error}); replace or remove it") from None
+        raise BadInput(f"{source} cannot be read ({error}); replace it, or remove the image and its label") from None
     try:
         array = np.load(path, mmap_mode="r")
         if array.dtype == np.uint8 and array.offset + array.nbytes == os.path.getsize(path):
@@ -241,9 +241,10 @@ def _folder_entries(folder, folders=True):
 
 
 class Cityscapes(torchvision.datasets.Cityscapes):
-    """torchvision's Cityscapes (it knows the layout), with three things it leaves to the user:
-    a file order that is the same on every rank (it lists with os.listdir, whose order is not defined),
-    labelIds mapped to trainIds, and the training augmentation.
+    """Cityscapes in its official layout, with torchvision's label table and attributes (this class is a
+    torchvision.datasets.Cityscapes), but its own listing: a file order that is the same on every rank
+    (torchvision lists with os.listdir, whose order is not defined) that ignores stray files beside the
+    cities; and what torchvision leaves to the user: labelIds mapped to trainIds, and the augmentation.
 
     Training augmentation (with crop_size): a random scale in scale_range, a random crop, a flip, and with
     color_jitter > 0 a random brightness, contrast and saturation (jitter_colors).
@@ -315,7 +316,7 @@ class Cityscapes(torchvision.datasets.Cityscapes):
                     with Image.open(path) as f:
                         sizes.append(f.size)
                 except Exception as error:
-                    raise BadInput(f"{path} cannot be read as an image ({error}); replace or remove it") from None
+                    raise BadInput(f"{path} cannot be read as an image ({error}); replace it, or remove the image and its label") from None
             if sizes[0] != sizes[1]:
                 raise BadInput(f"{label_path} is {sizes[1][0]}x{sizes[1][1]} but its image is "
                                f"{sizes[0][0]}x{sizes[0][1]}; they must match")

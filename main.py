@@ -69,8 +69,8 @@ def get_args_parser():
                         help="keep each decoded frame there (uncompressed, ~29 GB for Cityscapes): decoded once")
     parser.add_argument("-j", "--workers", type=at_least(0), default=None,
                         help="data loading workers per process (default: this process's share of the cores, less one)")
-    parser.add_argument("--epochs", type=at_least(1), default=162, help="total epochs (162 x 185 steps of 16 images: "
-                        "the recipe's 30k iterations)")
+    parser.add_argument("--epochs", type=at_least(1), default=162, help="total epochs (162 x 185-186 steps of 16 "
+                        "images: the recipe's 30k iterations)")
     parser.add_argument("--start-epoch", type=at_least(0), default=0, help="first epoch (--resume sets it)")
     parser.add_argument("-b", "--batch-size", type=at_least(1), default=8, help="images per process per step")
     parser.add_argument("--lr", type=positive(), default=0.1, help="initial learning rate, decayed by poly(0.9)")
@@ -82,7 +82,7 @@ def get_args_parser():
     parser.add_argument("--resume", default="", metavar="PATH|auto",
                         help="checkpoint to resume from; 'auto': OUTPUT_DIR/checkpoint.pth if it exists")
     parser.add_argument("-e", "--evaluate", action="store_true", help="evaluate --resume's model, no training")
-    parser.add_argument("--seed", type=at_least(0), default=0)
+    parser.add_argument("--seed", type=at_least(0, 2**32 - 1), default=0)
     parser.add_argument("--output-dir", default="output")
     parser.add_argument("--overwrite", action="store_true",
                         help="train afresh into an --output-dir that holds another run, replacing its files")
@@ -92,7 +92,7 @@ def get_args_parser():
                         help="write each val prediction as a labelIds PNG, the official evaluation's input")
     parser.add_argument("--dist-backend", default=None, choices=("nccl", "gloo"),
                         help="default: nccl with CUDA, gloo on the CPU")
-    parser.add_argument("--dist-timeout", type=positive(), default=5.0, metavar="MINUTES",
+    parser.add_argument("--dist-timeout", type=positive(7 * 24 * 60), default=5.0, metavar="MINUTES",
                         help="a collective that waits longer than this (a lost peer) ends the job")
     parser.add_argument("--check-only", type=at_least(1), default=None, metavar="WORLD_SIZE",
                         help="check arguments, data and --resume for a run of WORLD_SIZE processes, then exit "
@@ -114,18 +114,17 @@ def get_args_parser():
     return parser
 
 
-def all_reduce_sum(tensor):
+def all_reduce(tensor, op=dist.ReduceOp.SUM):
+    """In place over all ranks (a no-op in one plain process). A collective: every rank must call it."""
     if dist.is_initialized():
-        dist.all_reduce(tensor)
+        dist.all_reduce(tensor, op=op)
     return tensor
 
 
 def agree(*flags, device):
-    """For each flag: True on every rank if it is true on any rank. One collective: every rank must call it."""
-    flags = torch.tensor([float(flag) for flag in flags], device=device)
-    if dist.is_initialized():
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-    return [bool(flag) for flag in flags.tolist()]  # .tolist() waits for the step: a sync point
+    """For each flag (a bool, or a tensor still on the GPU): True on every rank if true on any rank."""
+    flags = torch.stack([torch.as_tensor(flag, device=device).float() for flag in flags])
+    return [bool(flag) for flag in all_reduce(flags, dist.ReduceOp.MAX).tolist()]  # waits for the step
 
 
 def criterion(logits, labels):
@@ -193,13 +192,13 @@ def train_one_epoch(model, optimizer, scaler, loader, device, epoch, first_step,
         window_images += images.shape[0]
         # All ranks agree, after every step, whether to stop: a signal reached some rank (preemption), or
         # some rank's loss is NaN or infinite. One small all_reduce.
-        signal_seen, nonfinite = agree(recovery.stop_signal() is not None, not torch.isfinite(loss), device=device)
+        signal_seen, nonfinite = agree(recovery.stop_signal() is not None, ~torch.isfinite(loss), device=device)
         if nonfinite:
             stopped = "nonfinite"
             break
         if (step + 1) % args.print_freq == 0 or step + 1 == steps_per_epoch:
             # The loss printed is the mean over ranks, not rank 0's alone: every rank joins this.
-            mean_loss = all_reduce_sum(loss.detach().clone()).item() / world_size
+            mean_loss = all_reduce(loss.detach().clone()).item() / world_size
             now, window_steps = time.time(), window_images // images.shape[0]
             images_per_s = window_images * world_size / (now - window_start)
             eta = (now - start) / (step + 1 - first_step) * (steps_per_epoch - step - 1
@@ -218,12 +217,11 @@ def train_one_epoch(model, optimizer, scaler, loader, device, epoch, first_step,
     elapsed = max(time.time() - start, 1e-9)
     # The epoch's sums over the ranks; the largest data wait; and each rank's peak memory (GPU: allocated,
     # CPU: resident), to see that rank 0 carries no more than the others, as DataParallel's first GPU did.
-    sums, peaks = torch.zeros(world_size + 1, device=device), torch.zeros(2, device=device)
-    sums[0], sums[1 + rank], peaks[0] = loss_sum, peak_memory_gib(device), data_wait / elapsed
-    if dist.is_initialized():
-        dist.all_reduce(sums)
-        dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
-    return {"loss_sum": sums[0].item(), "steps": steps_done, "lr": lr, "data_wait": peaks[0].item(),
+    sums = torch.zeros(world_size + 1, device=device)
+    sums[0], sums[1 + rank] = loss_sum, peak_memory_gib(device)
+    all_reduce(sums)
+    data_wait = all_reduce(torch.tensor([data_wait / elapsed], device=device), dist.ReduceOp.MAX)
+    return {"loss_sum": sums[0].item(), "steps": steps_done, "lr": lr, "data_wait": data_wait.item(),
             "images_per_s": steps_done * args.batch_size * world_size / elapsed, "stopped": stopped,
             "peak_memory_gib": sums[1:].tolist()}
 
@@ -271,7 +269,7 @@ def evaluate(model, loader, device, autocast=contextlib.nullcontext, image_ids=N
             # Each rank writes the files of its own images; no two ranks write the same file.
             label_ids = TRAINID_TO_ID[predictions[0].cpu()].numpy()
             Image.fromarray(label_ids).save(os.path.join(save_dir, f"{image_ids[position]}_pred_labelIds.png"))
-    all_reduce_sum(confusion)
+    all_reduce(confusion)
     return confusion.view(NUM_CLASSES, NUM_CLASSES).cpu(), first
 
 
@@ -351,14 +349,19 @@ def evaluate_checkpoint(args, model, val_loader, val_ids, device, autocast, num_
 def record_epoch(args, state, is_best, sample, record, estimate=False):
     """After an epoch (rank 0 alone: several ranks writing one file corrupt it): checkpoint.pth (the one it
     replaces kept as checkpoint.prev.pth), best.pth when the mIoU is the best yet, the picture, a line of
-    metrics.jsonl, and what the user should know."""
+    metrics.jsonl, and what the user should know. -> None, or why a file could not be written (a full disk),
+    which every rank then stops on."""
+    # checkpoint.pth last: a run stopped between these writes resumes before this epoch, and redoes them all.
     checkpoint_path = os.path.join(args.output_dir, "checkpoint.pth")
-    recovery.save_checkpoint(state, checkpoint_path, keep_previous=True)
-    if is_best:
-        recovery.save_checkpoint(state, os.path.join(args.output_dir, "best.pth"))
-    save_picture(os.path.join(args.output_dir, "vis", f"epoch_{record['epoch']:03d}.png"), sample)
-    with open(os.path.join(args.output_dir, "metrics.jsonl"), "a") as f:
-        f.write(json.dumps(record) + "\n")
+    try:
+        save_picture(os.path.join(args.output_dir, "vis", f"epoch_{record['epoch']:03d}.png"), sample)
+        with open(os.path.join(args.output_dir, "metrics.jsonl"), "a") as f:
+            f.write(json.dumps(record) + "\n")
+        if is_best:
+            recovery.save_checkpoint(state, os.path.join(args.output_dir, "best.pth"))
+        recovery.save_checkpoint(state, checkpoint_path, keep_previous=True)
+    except (OSError, recovery.UserError) as error:
+        return str(error) if isinstance(error, recovery.UserError) else f"cannot write in {args.output_dir} ({error})"
     log(f"epoch {record['epoch']}: train loss {record['train_loss']:.4f}, {record['train_img_per_s']:.1f} img/s, "
         f"mIoU {record['miou']:.4f} (best {state['best_miou']:.4f}); saved {checkpoint_path}")
     if record["data_wait_fraction"] > 0.05:
@@ -375,10 +378,7 @@ def main(args):
     crop_size = checks.check_args(args, use_cuda)
     inference.read_mode(args, applies=args.evaluate)  # a mistake in --eval-* is found before any work
     recovery.set_quiet(bool(args.check_only))
-    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
-    if restarts and not args.resume:
-        args.resume = "auto"  # torchrun restarted us after a failure: carry on from the last checkpoint
-    checks.check_output(args, is_writer=is_main_process())
+    checks.check_output(args, is_writer=is_main_process())  # a restart resumes; no other run is replaced
 
     # Step 1 (continued): the launchers set RANK and WORLD_SIZE; without them this is one plain process,
     # with no process group. Under a launcher even one process takes the DDP path, as eight would.
@@ -388,7 +388,7 @@ def main(args):
     if use_cuda and not args.check_only:
         if local_rank >= torch.cuda.device_count():
             fail(f"local rank {local_rank} but only {torch.cuda.device_count()} GPUs visible: "
-                 "start at most one process per GPU")
+                 "start at most one process per GPU", this_rank=True)  # only the ranks past the last GPU see it
         # Before init_process_group, so that NCCL sets up on this GPU, not on GPU 0 for every rank.
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
@@ -402,7 +402,8 @@ def main(args):
     rank, world_size = get_rank(), args.check_only or get_world_size()
     log(f"{world_size} process(es), backend {dist.get_backend() if distributed else 'none'}, "
         f"device {device.type}, global batch {args.batch_size * world_size}"
-        + (f", restart {restarts} by torchrun" if restarts else ""))
+        + (f", restart {os.environ['TORCHELASTIC_RESTART_COUNT']} by torchrun" if args.resume and
+           int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) else ""))
     train_set, val_set = load_datasets(args, crop_size, world_size)
 
     # Step 3: the model, wrapped in DDP. The same seed on every rank gives the same initial weights
@@ -516,15 +517,22 @@ def main(args):
             print_iou_table(miou, iou)
             is_best, best_miou = miou > best_miou, max(miou, best_miou)
             train_loss = epoch_loss_sum / (steps_per_epoch * world_size)
+            not_written = None
             if is_main_process():
                 state.update(best_miou=best_miou, epoch=epoch + 1, step=0, epoch_loss_sum=0.0)
-                record_epoch(args, state, is_best, sample, {
+                not_written = record_epoch(args, state, is_best, sample, {
                     "epoch": epoch, "train_loss": train_loss, "lr": trained["lr"], "miou": miou, "iou": iou_dict(iou),
                     "train_img_per_s": trained["images_per_s"], "data_wait_fraction": trained["data_wait"],
                     "epoch_time_s": time.time() - epoch_start, "eval_time_s": time.time() - eval_start,
                     "world_size": world_size, "peak_memory_gib": trained["peak_memory_gib"]}, epoch == first_epoch)
             start_step, epoch_loss_sum = 0, 0.0
-            if agree(recovery.stop_signal() is not None, device=device)[0]:  # a signal during evaluation
+            # Every rank learns whether rank 0 could write (a full disk), and whether a signal came during
+            # evaluation: all stop together, rank 0 saying why.
+            signal_seen, write_failed = agree(recovery.stop_signal() is not None, not_written is not None,
+                                              device=device)
+            if write_failed:
+                fail(not_written or "rank 0 could not write this epoch's files")
+            if signal_seen:
                 log(f"stopped by signal after epoch {epoch}; saved {checkpoint_path}. Resume with the same "
                     "command and --resume auto")
                 break

@@ -21,6 +21,7 @@ import shutil
 import signal
 import sys
 import threading
+import tempfile
 import time
 import traceback
 from contextlib import contextmanager
@@ -45,7 +46,8 @@ def get_rank():
 
 
 def get_world_size():
-    return dist.get_world_size() if dist.is_initialized() else 1
+    """The number of processes; before the process group exists, the launcher's WORLD_SIZE (1 without one)."""
+    return dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
 
 
 def is_main_process():
@@ -64,11 +66,16 @@ def log(*message):
 
 
 class UserError(Exception):
-    """A mistake every rank finds the same way (a flag, the data folder, a checkpoint): rank 0 says it."""
+    """A mistake the user can fix. this_rank=False: every rank finds it the same way (a flag, the data folder,
+    a checkpoint), and rank 0 says it; True: only this rank meets it (its GPU), and this rank says it."""
+
+    def __init__(self, message, this_rank=False):
+        super().__init__(message)
+        self.this_rank = this_rank
 
 
-def fail(message):
-    raise UserError(str(message))
+def fail(message, this_rank=False):
+    raise UserError(str(message), this_rank)
 
 
 def _one_line(error):
@@ -95,6 +102,8 @@ def guard(output_dir):
     try:
         yield
     except UserError as error:
+        if error.this_rank and get_world_size() > 1:
+            _stop(f"rank {get_rank()}: {error}", say_it=True)
         _stop(str(error), say_it=is_main_process())
     except BadInput as error:
         prefix = f"rank {get_rank()}: " if get_world_size() > 1 else ""
@@ -126,18 +135,29 @@ def is_collective_failure(error):
     an all_reduce) or naming a gloo source file (gloo's errors in DDP's gradient all-reduce surface in
     backward()). Other RuntimeErrors (a CUDA error in the model, a DataLoader timeout) keep their traceback.
     What it cannot tell apart: a dead peer, a hung one and a broken network (the heartbeats do), and a
-    collective that failed for a reason of its own (a CUDA error inside NCCL) from a lost peer."""
+    collective that failed for a reason of its own (a CUDA error inside NCCL) from a lost peer. With NCCL,
+    its watchdog usually ends the process at the timeout before the error reaches Python at all."""
     if isinstance(error, dist.DistError):
         return True
     if not isinstance(error, RuntimeError):
         return False
+    if "/gloo/" in str(error):
+        return True
+    # Raised by a call from torch.distributed's Python into its C++ (a collective), not by one of its own
+    # `raise` statements (DDP's own errors, such as parameters that got no gradient, are mistakes, not peers).
     frames = traceback.extract_tb(error.__traceback__)
-    where = frames[-1].filename.replace(os.sep, "/") if frames else ""
-    return "/gloo/" in str(error) or "/torch/distributed/" in where or where.endswith("/torch/nn/parallel/distributed.py")
+    if not frames or (frames[-1].line or "").lstrip().startswith("raise"):
+        return False
+    where = frames[-1].filename.replace(os.sep, "/")
+    return "/torch/distributed/" in where or where.endswith("/torch/nn/parallel/distributed.py")
 
 
-def _stop_file():
-    return os.path.join(_state.output_dir, ".stopped.json")
+def _stop_files():
+    """Where a mistake is recorded: the output folder (shared by every node), and this machine's temporary
+    folder for when the output folder cannot be written (a full disk)."""
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
+    return [os.path.join(_state.output_dir, ".stopped.json"),
+            os.path.join(tempfile.gettempdir(), f"deeplab-stopped-{run_id}.json")]
 
 
 def _stop(message, say_it):
@@ -146,22 +166,26 @@ def _stop(message, say_it):
         print(f"main.py: error: {message}", file=sys.stderr, flush=True)
         if get_world_size() > 1 or "TORCHELASTIC_RUN_ID" in os.environ:
             record = {"run_id": os.environ.get("TORCHELASTIC_RUN_ID", ""), "time": time.time(), "message": message}
-            try:
-                os.makedirs(_state.output_dir, exist_ok=True)
-                _write_atomically(_stop_file(), json.dumps(record).encode())
-            except OSError:
-                pass  # an output folder that cannot be written: restarts may repeat the line, nothing worse
+            for path in _stop_files():
+                try:
+                    os.makedirs(os.path.dirname(path), exist_ok=True)
+                    _write_atomically(path, json.dumps(record).encode())
+                    break
+                except OSError:
+                    pass  # nowhere to write: restarts may repeat the line, nothing worse
     if dist.is_initialized() and get_world_size() > 1:
         os._exit(1)  # peers may be inside a collective with us: tearing the process group down can hang
     sys.exit(1)
 
 
 def _read_stop_file():
-    try:
-        with open(_stop_file()) as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return None
+    for path in _stop_files():
+        try:
+            with open(path) as f:
+                return json.load(f)
+        except (OSError, ValueError):
+            pass
+    return None
 
 
 def _peer_stopped_on_a_mistake():
@@ -180,7 +204,9 @@ def _exit_if_stopped_before():
     record = _read_stop_file()
     if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) == 0:
         if record is not None and is_main_process():
-            os.remove(_stop_file())
+            for path in _stop_files():
+                if os.path.exists(path):
+                    os.remove(path)
     elif record is not None and record.get("run_id") == run_id:
         sys.exit(1)
 
@@ -389,9 +415,11 @@ def resume(args, model, optimizer, scaler, world_size):
     load_model_state(model, checkpoint, path, args.model)
     if args.evaluate:  # the weights are all -e needs
         return position, path
-    if args.start_epoch:
+    if args.start_epoch and args.resume != "auto":
         fail(f"--start-epoch {args.start_epoch} with --resume: {path} says where to start (epoch "
              f"{checkpoint.get('epoch', '?')}); drop --start-epoch")
+    if args.start_epoch:  # --resume auto (run.sh, a restart): the checkpoint wins, and that is said
+        log(f"note: --start-epoch {args.start_epoch} is ignored: {path} says where to continue")
     missing = [key for key in TRAINING_STATE if key not in checkpoint]
     if missing:
         fail(f"--resume {path} holds no {', '.join(missing)}: it has weights only (evaluate it with -e); to "
@@ -432,6 +460,12 @@ def trim_metrics(path, epoch):
     """Cut metrics.jsonl back to the epochs before `epoch`: a resumed run writes the later ones again."""
     if not os.path.isfile(path):
         return
+    kept = []
     with open(path) as f:
-        kept = [line for line in f if line.strip() and json.loads(line)["epoch"] < epoch]
+        for line in f:
+            try:
+                if json.loads(line)["epoch"] < epoch:
+                    kept.append(line)
+            except (ValueError, KeyError, TypeError):
+                pass  # a line cut short by a crash: it belonged to the epoch being redone
     _write_atomically(path, "".join(kept).encode())

@@ -38,6 +38,7 @@ for VAR in NODE_RANK MAX_RESTARTS; do need_number "$VAR" 0; done
 NGPU=$("$PYTHON" -c "import torch; print(torch.cuda.device_count())")
 if [ "$NGPU" -gt 0 ]; then
   NPROC=${NPROC:-$NGPU}
+  [ "$NPROC" -le "$NGPU" ] || fail "NPROC=$NPROC but $NGPU GPU(s) visible: one process per GPU at most"
 else
   NPROC=${NPROC:-2}
   # One process per core at most: more threads than cores make every process slower.

@@ -174,7 +174,7 @@ def test_a_truncated_image_or_label_is_a_bad_input_naming_the_file(tiny_data, tm
         path = data.images[index] if which == "images" else data.targets[index][0]
         with open(path, "r+b") as f:
             f.truncate(os.path.getsize(path) // 2)
-        with pytest.raises(BadInput, match=f"{path} cannot be decoded .*; replace or remove it"):
+        with pytest.raises(BadInput, match=f"{path} cannot be decoded .*; replace it, or remove the image and its label"):
             data[index]
 
 

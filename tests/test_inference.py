@@ -1,7 +1,6 @@
 """inference.py: multi-scale, flip and sliding window give the plain evaluation back where they should."""
 import argparse
 import json
-import os
 import sys
 
 import pytest

@@ -73,6 +73,8 @@ def on_the_cpu(monkeypatch):
     (["--dist-timeout", "0"], "--dist-timeout: 0 must be above 0"),
     (["--dist-timeout", "nan"], "--dist-timeout: nan must be above 0"),
     (["--dist-timeout", "-5"], "--dist-timeout: -5 must be above 0"),
+    (["--dist-timeout", "1e300"], "--dist-timeout: 1e300 must be above 0 and at most 10080"),
+    (["--seed", "100000000000000000000000"], "--seed: 100000000000000000000000 must be at least 0 and at most"),
     (["--check-only", "0"], "--check-only: 0 must be at least 1"),
     (["--color-jitter", "1.5"], "--color-jitter: 1.5 must be at least 0 and at most 1"),
     (["--scale-range", "0", "2"], "--scale-range: 0 must be above 0"),
@@ -131,6 +133,30 @@ def test_a_previous_run_is_never_replaced_without_a_word(tiny_data, previous_run
     assert _snapshot(previous_run) == before
 
 
+def test_overwrite_replaces_a_previous_run_and_resume_auto_does_not_without_a_checkpoint(tiny_data, previous_run,
+                                                                                        capsys):
+    os.remove(os.path.join(previous_run, "checkpoint.pth"))  # best.pth and metrics.jsonl stay: a run all the same
+    before = _snapshot(previous_run)
+    common = ["--data", tiny_data, "--output-dir", previous_run, *TRAIN_ARGS, "--epochs", "1", "--resume", "auto"]
+    line = _main_fails(common, capsys)
+    assert "holds another run" in line and "no checkpoint to continue from" in line, line
+    assert _snapshot(previous_run) == before
+    main.main(main.get_args_parser().parse_args(common + ["--overwrite"]))  # as ./run.sh --overwrite runs it
+    assert "resuming" not in capsys.readouterr().out
+    with open(os.path.join(previous_run, "metrics.jsonl")) as f:
+        assert [line.startswith('{"epoch": 0') for line in f] == [True]  # the old run's lines are gone
+    assert recovery.read_checkpoint(os.path.join(previous_run, "best.pth"))[0]["epoch"] == 1
+
+
+def test_a_torn_metrics_line_is_dropped_on_resume(tmp_path):
+    path = str(tmp_path / "metrics.jsonl")
+    with open(path, "w") as f:
+        f.write('{"epoch": 0, "miou": 0.5}\n{"epoch": 1, "miou": 0.6}\n{"epoch": 2, "mi')  # killed mid-line
+    recovery.trim_metrics(path, 2)
+    with open(path) as f:
+        assert f.read() == '{"epoch": 0, "miou": 0.5}\n{"epoch": 1, "miou": 0.6}\n'
+
+
 def test_checkpoints_that_cannot_resume_training(tiny_data, trained, tmp_path, capsys):
     out = str(tmp_path / "out")
     shutil.copytree(trained, out)
@@ -141,7 +167,8 @@ def test_checkpoints_that_cannot_resume_training(tiny_data, trained, tmp_path, c
     said = capsys.readouterr().out
     assert "nothing to train" in said and "done" not in said, said
     assert _snapshot(out) == before
-    line = _main_fails(common + ["--epochs", "3", "--resume", "auto", "--start-epoch", "1"], capsys)
+    line = _main_fails(common + ["--epochs", "3", "--resume", os.path.join(out, "checkpoint.pth"), "--start-epoch",
+                                 "1"], capsys)
     assert "--start-epoch 1 with --resume" in line, line
     weights = str(tmp_path / "weights.pth")  # weights only, as torch.save(model.state_dict()) writes them
     torch.save(torch.load(os.path.join(out, "checkpoint.pth"), weights_only=True)["model"], weights)

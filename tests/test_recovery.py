@@ -395,7 +395,7 @@ def test_the_previous_checkpoint_keeps_its_folder_name(tmp_path):
     assert torch.load(str(folder / "checkpoint.prev.pth"), weights_only=True)["epoch"] == 1
 
 
-def test_only_collective_failures_are_taken_for_a_lost_peer():
+def test_only_collective_failures_are_taken_for_a_lost_peer(tmp_path):
     import torch.distributed as dist
     gloo = RuntimeError("[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:545] Read error [127.0.0.1]:21908: "
                         "Connection reset by peer")
@@ -405,12 +405,17 @@ def test_only_collective_failures_are_taken_for_a_lost_peer():
     for other in ("CUDA error: peer access is not supported between these two devices",
                   "DataLoader timed out after 30 seconds", "connection to the metrics server was refused"):
         assert not recovery.is_collective_failure(RuntimeError(other)), other
-    # gloo's timeout as DDP's buffer broadcast raises it: no gloo file named, raised in torch.distributed's code
-    try:
-        exec(compile("raise RuntimeError('Application timeout caused pair closure')",
-                     "/site-packages/torch/nn/parallel/distributed.py", "exec"))
-    except RuntimeError as error:
-        assert recovery.is_collective_failure(error)
+    # gloo's timeout as DDP's buffer broadcast meets it: no gloo file named, raised by a call from
+    # torch.distributed's code into C++ (here torch.empty(-1) stands in for the collective)...
+    ddp = tmp_path / "torch" / "nn" / "parallel" / "distributed.py"
+    ddp.parent.mkdir(parents=True)
+    for source, expect in (("import torch\ntorch.empty(-1)\n", True),
+                           # ... but DDP's own errors, raised by its Python, are mistakes, not a lost peer
+                           ("raise RuntimeError('Expected to have finished reduction in the prior iteration')\n", False)):
+        ddp.write_text(source)
+        with pytest.raises(RuntimeError) as raised:
+            exec(compile(source, str(ddp), "exec"))
+        assert recovery.is_collective_failure(raised.value) == expect, source
 
 
 def test_a_mistake_under_torchrun_is_said_once_and_not_restarted(tiny_data, tmp_path):
