@@ -80,9 +80,6 @@ def test_run_sh_trains_resumes_and_evaluates(tiny_data, tmp_path):
     assert [r["epoch"] for r in records] == [0, 1]  # continued at epoch 1, did not redo epoch 0
     assert records[1]["lr"] < records[0]["lr"]  # the poly schedule continued too
 
-    log = run(["./run.sh", "--epochs", "2", *TRAIN_ARGS], env=env)  # run again: it has finished, and says so
-    assert "nothing to train" in log and _metrics(out) == records
-
     predictions = str(tmp_path / "predictions")
     run(["./run.sh", "-e", "--resume", os.path.join(out, "checkpoint.pth"), "--save-predictions", predictions,
          *TRAIN_ARGS], env=env)
