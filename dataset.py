@@ -66,7 +66,9 @@ def sample_generator(seed, epoch, index):
 
 
 def train_transform(image, label, crop_size, generator, scale_range=(0.5, 2.0)):
-    """Random scale, random crop, horizontal flip, applied to image and label together.
+    """Random scale, random crop, horizontal flip, applied to image and label together: crop_window and
+    resize_pad_flip in one call, on a whole decoded frame (Cityscapes.__getitem__ calls the two itself, to
+    copy only the crop's region out of the frame or the cache).
 
     Equivalent to "resize the whole image by a random factor, then take a random crop", but it cuts the
     crop's region out of the source first and resizes only that: on a 2048x1024 image with a 768 crop that
@@ -154,7 +156,8 @@ def read_image(path):
         with Image.open(path) as f:
             return np.asarray(f if f.mode == "RGB" else f.convert("RGB"))
     except Exception as error:
-        raise BadInput(f"{path} cannot be decoded ({str(error).splitlines()[0][:200]}); replace it, or remove the image and its label") from None
+        raise BadInput(f"{path} cannot be decoded ({str(error).splitlines()[0][:200]}); replace it, or remove "
+                       "the image and its label") from None
 
 
 def read_label(path):
@@ -169,7 +172,8 @@ def read_label(path):
             with Image.open(path) as f:
                 label_ids = np.asarray(f)  # mode "P": the indices; "L": the values
     except Exception as error:
-        raise BadInput(f"{path} cannot be decoded ({str(error).splitlines()[0][:200]}); replace it, or remove the image and its label") from None
+        raise BadInput(f"{path} cannot be decoded ({str(error).splitlines()[0][:200]}); replace it, or remove "
+                       "the image and its label") from None
     if label_ids.ndim != 2 or label_ids.dtype != np.uint8 or int(label_ids.max()) > MAX_LABEL_ID:
         raise BadInput(f"{path} is not a Cityscapes labelIds image (8-bit, values 0-{MAX_LABEL_ID}): "
                        f"it holds {label_ids.dtype} values up to {int(label_ids.max())}, shape "
@@ -316,7 +320,8 @@ class Cityscapes(torchvision.datasets.Cityscapes):
                     with Image.open(path) as f:
                         sizes.append(f.size)
                 except Exception as error:
-                    raise BadInput(f"{path} cannot be read as an image ({error}); replace it, or remove the image and its label") from None
+                    raise BadInput(f"{path} cannot be read as an image ({error}); replace it, or remove the image "
+                                   "and its label") from None
             if sizes[0] != sizes[1]:
                 raise BadInput(f"{label_path} is {sizes[1][0]}x{sizes[1][1]} but its image is "
                                f"{sizes[0][0]}x{sizes[0][1]}; they must match")

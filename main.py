@@ -315,6 +315,10 @@ def load_datasets(args, crop_size, world_size):
         fail(error)
     if world_size > len(val_set):
         fail(f"{world_size} processes but only {len(val_set)} val images: use at most {len(val_set)} processes")
+    share = math.ceil(len(train_set) / world_size)  # DistributedSampler's, padded
+    if not args.evaluate and share < args.batch_size:
+        fail(f"--batch-size {args.batch_size} is more than a process's share of the {len(train_set)} training "
+             f"images ({share} with {world_size} processes): use a smaller batch or fewer processes")
     return train_set, val_set
 
 
@@ -400,10 +404,9 @@ def main(args):
         dist.init_process_group(backend=backend, timeout=timedelta(minutes=args.dist_timeout))
         recovery.start_heartbeat()  # every rank's step, so that a lost peer can be named
     rank, world_size = get_rank(), args.check_only or get_world_size()
-    log(f"{world_size} process(es), backend {dist.get_backend() if distributed else 'none'}, "
-        f"device {device.type}, global batch {args.batch_size * world_size}"
-        + (f", restart {os.environ['TORCHELASTIC_RESTART_COUNT']} by torchrun" if args.resume and
-           int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) else ""))
+    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+    log(f"{world_size} process(es), backend {dist.get_backend() if distributed else 'none'}, device {device.type}, "
+        f"global batch {args.batch_size * world_size}" + (f", restart {restarts} by torchrun" if restarts else ""))
     train_set, val_set = load_datasets(args, crop_size, world_size)
 
     # Step 3: the model, wrapped in DDP. The same seed on every rank gives the same initial weights
@@ -456,9 +459,6 @@ def main(args):
     val_loader = DataLoader(Subset(val_set, val_shard), batch_size=1, **loader_args)
     val_ids = [val_set.image_id(i) for i in val_shard]
     steps_per_epoch = len(train_loader)
-    if not args.evaluate and steps_per_epoch == 0:
-        fail(f"--batch-size {args.batch_size} is more than a process's share of the {len(train_set)} training "
-             f"images ({len(train_sampler)} with {world_size} processes): use a smaller batch or fewer processes")
 
     optimizer = make_optimizer(model_without_ddp, args)
     # float16 needs loss scaling against underflow; bfloat16 has float32's range and needs none.
