@@ -540,6 +540,7 @@ def main(args):
             log(f"done: best mIoU {best_miou:.4f}. Checkpoints in {args.output_dir}/ (checkpoint.pth, best.pth), "
                 f"pictures in {args.output_dir}/vis/, metrics in {args.output_dir}/metrics.jsonl")
     if distributed:
+        recovery.stop_heartbeat()
         dist.destroy_process_group()  # without it NCCL warns of leaked resources at exit
 
 

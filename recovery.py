@@ -36,7 +36,7 @@ from dataset import NUM_CLASSES, BadInput
 
 # This module's state, in one place: set by main.py and the signal handler, read by the heartbeat.
 _state = SimpleNamespace(quiet=False, signal=None, signal_time=0.0, step=0, output_dir=None,
-                         started=time.time())
+                         started=time.time(), heartbeat=None)
 
 
 # --- who speaks -------------------------------------------------------------------------------------------
@@ -251,18 +251,30 @@ def note_step(step):
 def start_heartbeat():
     """Every HEARTBEAT_S, write (time, training step) of this rank into the store the process group
     rendezvoused with, from a thread: a rank that is stopped, killed or cut off falls silent, one stuck in
-    its own work falls behind. When a collective fails, describe_peers() reads this to name the rank."""
-    store, key = dist.distributed_c10d._get_default_store(), f"heartbeat/{get_rank()}"
+    its own work falls behind. When a collective fails, describe_peers() reads this to name the rank.
+    stop_heartbeat() ends the thread: before the process group goes, or the thread may use a store that is
+    being torn down."""
+    store, key, stopping = dist.distributed_c10d._get_default_store(), f"heartbeat/{get_rank()}", threading.Event()
 
     def beat():
-        while True:
+        while not stopping.is_set():
             try:
                 store.set(key, f"{time.time()} {_state.step}")
             except Exception:  # the store is gone: the job is ending
                 return
-            time.sleep(HEARTBEAT_S)
+            stopping.wait(HEARTBEAT_S)
 
-    threading.Thread(target=beat, daemon=True, name="heartbeat").start()
+    thread = threading.Thread(target=beat, daemon=True, name="heartbeat")
+    thread.start()
+    _state.heartbeat = (thread, stopping)
+
+
+def stop_heartbeat():
+    if _state.heartbeat is not None:
+        thread, stopping = _state.heartbeat
+        stopping.set()
+        thread.join(timeout=10)
+        _state.heartbeat = None
 
 
 def describe_peers():
