@@ -69,9 +69,10 @@ def get_args_parser():
     return parser
 
 
-def fail(message):
-    """One line, said once (by rank 0 under torchrun: every rank finds the same mistake), exit 1."""
-    if recovery.is_main_process():
+def fail(message, this_rank=False):
+    """One line, exit 1: said once, by rank 0 under torchrun, where every rank finds the same mistake; by
+    the rank that meets it (this_rank) where only one does."""
+    if this_rank or recovery.is_main_process():
         print(f"predict.py: error: {message}", file=sys.stderr, flush=True)
     sys.exit(1)
 
@@ -255,6 +256,15 @@ def main(args):
     writes, done, failed = [], 0, 0
     start = last_report = time.time()
 
+    def written(write):
+        """Wait for one image's files; a write that failed (a full disk) stops this rank with one line."""
+        try:
+            write.result()
+        except OSError as error:
+            writer.shutdown(wait=False, cancel_futures=True)
+            fail(f"cannot write in --output-dir {args.output_dir} ({error.strerror or error}): free space there "
+                 "or choose another folder", this_rank=True)
+
     @torch.inference_mode()
     def run_batch(batch):
         """batch: [(index, image)] of one size: one forward, then each image's files handed to the writer."""
@@ -266,7 +276,7 @@ def main(args):
             paths = output_paths(args.output_dir, shard[index][1], args.what, args.format)
             writes.append(writer.submit(write_outputs, prediction, image, paths, palette, args))
         while len(writes) > 4 * args.batch_size:  # the writer may lag; do not let images pile up in memory
-            writes.pop(0).result()
+            written(writes.pop(0))
         done += len(batch)
         now = time.time()
         if now - last_report > 2 or done + failed == len(shard):
@@ -290,7 +300,7 @@ def main(args):
     for bucket in buckets.values():
         run_batch(bucket)
     for write in writes:
-        write.result()  # a write that failed (a full disk) raises here
+        written(write)
     writer.shutdown()
 
     counts = torch.tensor([done, failed])

@@ -1,5 +1,6 @@
 """predict.py as a user runs it: any images in, one prediction each at its size; bad input named; torchrun
 shares the images out; the ONNX export computes what PyTorch computes."""
+import errno
 import hashlib
 import os
 import subprocess
@@ -139,6 +140,18 @@ def test_mistakes_end_in_one_line(checkpoint, tmp_path, capsys):
     for argv, words in cases.items():
         line = _fails(list(argv), capsys)
         assert line.startswith("predict.py: error: ") and words in line, (argv, line)
+
+
+def test_a_full_disk_ends_in_one_line(checkpoint, tmp_path, monkeypatch, capsys):
+    inputs = str(tmp_path / "photos")
+    write_images(inputs, broken=False)
+
+    def no_space(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr(Image.Image, "save", no_space)
+    line = _fails(["--resume", checkpoint, inputs, "--output-dir", str(tmp_path / "out"), "-j", "0"], capsys)
+    assert line == (f"predict.py: error: cannot write in --output-dir {tmp_path / 'out'} (No space left on device): "
+                    "free space there or choose another folder"), line
 
 
 def test_onnx_export_computes_what_pytorch_computes(checkpoint, tmp_path, capsys):
