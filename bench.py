@@ -45,7 +45,7 @@ def _rate(fn, seconds):
 def today_getitem(data, index):
     """Cityscapes.__getitem__ as it was before the uint8 pipeline, kept as the baseline: PIL decodes and
     converts, the whole frame is a tensor before the crop, the worker normalises to float32."""
-    image_path, label_path = data.images[index], data.targets[index][0]
+    image_path, label_path = data.images[index], data.labels[index]
     with Image.open(image_path) as f:
         image = tv_tensors.Image(torch.from_numpy(np.array(f.convert("RGB"))).permute(2, 0, 1))
     with Image.open(label_path) as f:
@@ -75,7 +75,7 @@ def bench_data(root, cache_dir, crop, seconds):
 
     def resize_then_crop(index):  # the same decoding and output as ours, the whole frame resized
         image = tv_tensors.Image(torch.from_numpy(np.array(dataset.read_image(ours.images[index]))).permute(2, 0, 1))
-        label_ids = dataset.read_label(ours.targets[index][0])
+        label_ids = dataset.read_label(ours.labels[index])
         _, label = reference_transform(image, tv_tensors.Mask(torch.from_numpy(label_ids)[None]))
         return _, torch.from_numpy(dataset.ID_TO_TRAINID.numpy()[label[0].numpy()])
 
@@ -88,7 +88,7 @@ def bench_data(root, cache_dir, crop, seconds):
 
     ways = {"today": lambda i: today_getitem(ours, i), "ours": ours.__getitem__, "ours, PIL decoding": ours_with_pil,
             "ours, cached": cached.__getitem__, "resize-then-crop": resize_then_crop,
-            "decode alone": lambda i: (dataset.read_image(ours.images[i]), dataset.read_label(ours.targets[i][0]))}
+            "decode alone": lambda i: (dataset.read_image(ours.images[i]), dataset.read_label(ours.labels[i]))}
     times = {name: [] for name in ways}
     sizes = {name: sum(t.numel() * t.element_size() for t in way(0)) for name, way in ways.items() if name != "decode alone"}
     names, turn, start = list(ways), 0, time.perf_counter()

@@ -8,8 +8,10 @@ Each mistake ends in one line that names it and says what to do (recovery.fail),
 a model or a data loader exists.
 """
 import argparse
+import importlib
 import math
 import os
+import shutil
 
 from recovery import fail
 
@@ -79,6 +81,16 @@ def check_args(args, use_cuda):
         fail("-e/--evaluate evaluates a trained model: give it --resume PATH")
     if args.start_epoch >= args.epochs:
         fail(f"--start-epoch {args.start_epoch} is not below --epochs {args.epochs}: nothing to train")
+    if args.weights and (args.evaluate or args.resume not in ("", "auto")):
+        what = "-e evaluates --resume's model" if args.evaluate else "--resume continues a run"
+        fail(f"--weights starts a new training run from a trained model, but {what}: give one of the two")
+    if args.tensorboard and args.evaluate:
+        fail("--tensorboard draws training's curves; -e writes eval.json: drop --tensorboard")
+    if args.tensorboard:
+        try:
+            importlib.import_module("torch.utils.tensorboard")  # optional: not in requirements.txt
+        except ImportError:
+            fail("--tensorboard needs TensorBoard, which is not installed: pip install tensorboard")
     return crop_size
 
 
@@ -123,6 +135,7 @@ def check_output(args, is_writer):
         if args.overwrite and not restarted and not args.check_only and not args.evaluate:
             for name in found:
                 os.remove(os.path.join(args.output_dir, name))
+            shutil.rmtree(os.path.join(args.output_dir, "tensorboard"), ignore_errors=True)  # its curves too
         os.makedirs(os.path.join(args.output_dir, "vis"), exist_ok=True)
         for flag, path in (("--save-predictions", args.save_predictions), ("--cache-dir", args.cache_dir)):
             if path is not None:

@@ -1,8 +1,10 @@
-"""Cityscapes for semantic segmentation: the official layout, the 19 train classes, the augmentation.
+"""The data: Cityscapes (its official layout, the 19 train classes) or your own (images/, masks/ and
+classes.json in plain folders), and the augmentation.
 
-    from dataset import Cityscapes, normalize
-    train_set = Cityscapes("data/cityscapes", "train", crop_size=(768, 768), cache_dir="data/cache")
-    image, label = train_set[0]     # uint8 image (3, 768, 768); uint8 trainIds (768, 768), 255 = ignore
+    from dataset import open_dataset, normalize
+    train_set = open_dataset("data/cityscapes", "train", crop_size=(768, 768), cache_dir="data/cache")
+    image, label = train_set[0]     # uint8 image (3, 768, 768); uint8 class indices (768, 768), 255 = ignore
+    train_set.classes               # {"names": [...], "colors": [[r, g, b], ...]}, Cityscapes' 19 here
     images = normalize(images.cuda(non_blocking=True))  # float32, ImageNet mean/std, on the GPU
 
 Workers hand over uint8 (4 bytes a pixel with the label, not 13) and leave the float conversion to the
@@ -16,10 +18,12 @@ No real data at hand? Write a synthetic set in exactly the official layout and f
 the texture and noise of photographs, so that files are as large and as slow to decode as real ones):
 
     python dataset.py --synthetic data/cityscapes_synthetic --num-train 200 --num-val 50 --size 256 128
+    python dataset.py --synthetic data/my_streets --layout folder   # the folder layout (FolderDataset)
 """
 import argparse
 import glob
 import hashlib
+import json
 import multiprocessing
 import os
 import secrets
@@ -160,20 +164,25 @@ def read_image(path):
                        "the image and its label") from None
 
 
-def read_label(path):
-    """(H, W) uint8 labelIds, checked. torchcodec only for 8-bit greyscale PNGs (Cityscapes' own): on a
-    palette PNG it would return the palette's colours, not the indices, so anything else goes to PIL."""
+def decode_label(path):
+    """(H, W) label values as the file holds them, unchecked. torchcodec only for 8-bit greyscale PNGs
+    (Cityscapes' own): on a palette PNG it would return the palette's colours, not the indices, so anything
+    else goes to PIL."""
     try:
         with open(path, "rb") as f:
             header = f.read(26)  # signature, IHDR: width, height, bit depth (byte 24), colour type (byte 25)
         if _torchcodec_decode is not None and header[:8] == _PNG_SIGNATURE and header[24:26] == b"\x08\x00":
-            label_ids = _torchcodec_decode(path, mode="UNCHANGED")[0].numpy()
-        else:
-            with Image.open(path) as f:
-                label_ids = np.asarray(f)  # mode "P": the indices; "L": the values
+            return _torchcodec_decode(path, mode="UNCHANGED")[0].numpy()
+        with Image.open(path) as f:
+            return np.asarray(f)  # mode "P": the indices; "L": the values
     except Exception as error:
         raise BadInput(f"{path} cannot be decoded ({str(error).splitlines()[0][:200]}); replace it, or remove "
                        "the image and its label") from None
+
+
+def read_label(path):
+    """(H, W) uint8 Cityscapes labelIds, checked."""
+    label_ids = decode_label(path)
     if label_ids.ndim != 2 or label_ids.dtype != np.uint8 or int(label_ids.max()) > MAX_LABEL_ID:
         raise BadInput(f"{path} is not a Cityscapes labelIds image (8-bit, values 0-{MAX_LABEL_ID}): "
                        f"it holds {label_ids.dtype} values up to {int(label_ids.max())}, shape "
@@ -244,50 +253,26 @@ def _folder_entries(folder, folders=True):
     return entries
 
 
-class Cityscapes(torchvision.datasets.Cityscapes):
-    """Cityscapes in its official layout, with torchvision's label table and attributes (this class is a
-    torchvision.datasets.Cityscapes), but its own listing: a file order that is the same on every rank
-    (torchvision lists with os.listdir, whose order is not defined) that ignores stray files beside the
-    cities; and what torchvision leaves to the user: labelIds mapped to trainIds, and the augmentation.
+class SegmentationFiles(torch.utils.data.Dataset):
+    """Pairs of image and label files, and what is done with them whatever their layout: decoding (or the
+    decode cache), the training augmentation, label values mapped to class indices, the checks. Cityscapes
+    and FolderDataset below say which files, and set what differs between layouts:
+
+        classes       {"names": [...], "colors": [[r, g, b], ...]}: the classes a model learns, in index order
+        label_table   numpy uint8 (256,): a label file's value -> class index, 255 = ignore
+        read_label    path -> the label file's (H, W) uint8 values, checked
 
     Training augmentation (with crop_size): a random scale in scale_range, a random crop, a flip, and with
     color_jitter > 0 a random brightness, contrast and saturation (jitter_colors).
     Returns (image, label): image uint8 (3, H, W), to be normalised with normalize() where it is used;
-    label uint8 (H, W) of trainIds, 255 where ignored. With crop_size=None (evaluation) the full
+    label uint8 (H, W) of class indices, 255 where ignored. With crop_size=None (evaluation) the full
     resolution. With cache_dir, decoded frames are kept there (see cached()), and the output is the same.
     """
+    classes, label_table = None, None
 
-    def __init__(self, root, split="train", crop_size=None, seed=0, cache_dir=None, scale_range=(0.5, 2.0),
+    def __init__(self, images, labels, crop_size=None, seed=0, cache_dir=None, scale_range=(0.5, 2.0),
                  color_jitter=0.0):
-        get = "README.md says how to get Cityscapes; ./run.sh writes a synthetic set for a demo"
-        for sub in ("leftImg8bit", "gtFine"):
-            if not os.path.isdir(os.path.join(root, sub, split)):
-                raise BadInput(f"{os.path.join(root, sub, split)} not found: {root} should hold Cityscapes "
-                               f"(leftImg8bit/ and gtFine/). {get}")
-        # Listed here, not by torchvision's __init__: its listing fails on a stray file beside the city
-        # folders (a .DS_Store, a README), and its order (os.listdir) is not the same everywhere.
-        torchvision.datasets.VisionDataset.__init__(self, root)
-        self.split, self.mode, self.target_type = split, "gtFine", ["semantic"]
-        pairs = []
-        for city in _folder_entries(os.path.join(root, "leftImg8bit", split)):
-            for name in _folder_entries(city, folders=False):
-                if name.endswith("_leftImg8bit.png"):
-                    label = name.replace("_leftImg8bit.png", "_gtFine_labelIds.png")
-                    pairs.append((name, os.path.join(root, "gtFine", split, os.path.basename(city),
-                                                     os.path.basename(label))))
-        if not pairs:
-            raise BadInput(f"{os.path.join(root, 'leftImg8bit', split)} holds no *_leftImg8bit.png images. {get}")
-        self.images = [image for image, _ in pairs]
-        self.targets = [[target] for _, target in pairs]
-        missing = [t for _, t in pairs if not os.path.isfile(t)]
-        if missing:
-            raise BadInput(f"{len(missing)} {split} image(s) have no label file, e.g. {missing[0]} is missing; "
-                           "add the gtFine labels or remove those images")
-        labels = glob.glob(os.path.join(root, "gtFine", split, "*", "*_gtFine_labelIds.png"))
-        orphans = sorted(set(labels) - {t for _, t in pairs})
-        if orphans:
-            raise BadInput(f"{len(orphans)} {split} label(s) have no image, e.g. {orphans[0]}; "
-                           "add the leftImg8bit images or remove those labels")
+        self.images, self.labels = images, labels
         self.crop_size, self.seed, self.cache_dir = crop_size, seed, cache_dir
         self.scale_range, self.color_jitter = scale_range, color_jitter
         if cache_dir is not None:
@@ -299,6 +284,13 @@ class Cityscapes(torchvision.datasets.Cityscapes):
         # Augmentation is drawn from (seed, epoch, index).
         self._epoch = torch.zeros((), dtype=torch.int64).share_memory_()
 
+    def __len__(self):
+        return len(self.images)
+
+    @property
+    def num_classes(self):
+        return len(self.classes["names"])
+
     @property
     def epoch(self):
         return int(self._epoch)
@@ -308,12 +300,12 @@ class Cityscapes(torchvision.datasets.Cityscapes):
         self._epoch.fill_(value)
 
     def check_files(self, decode_labels=False):
-        """Read every file's header (not its pixels: about 0.1 ms a pair): each opens as a PNG, and each
+        """Read every file's header (not its pixels: about 0.1 ms a pair): each opens as an image, and each
         label has its image's size. Catches most bad files before any training time is spent.
         decode_labels: also decode every label and check its values (val's: a few seconds for 500)."""
-        for image_path, (label_path,) in zip(self.images, self.targets):
+        for image_path, label_path in zip(self.images, self.labels):
             if decode_labels:
-                read_label(label_path)
+                self.read_label(label_path)
             sizes = []
             for path in (image_path, label_path):
                 try:
@@ -327,20 +319,20 @@ class Cityscapes(torchvision.datasets.Cityscapes):
                                f"{sizes[0][0]}x{sizes[0][1]}; they must match")
 
     def frame(self, index):
-        """The decoded (image (H, W, 3), labelIds (H, W)) of one sample: arrays, or the cache's memory maps."""
-        image_path, label_path = self.images[index], self.targets[index][0]
+        """The decoded (image (H, W, 3), label values (H, W)) of one sample: arrays, or the cache's memory maps."""
+        image_path, label_path = self.images[index], self.labels[index]
         if self.cache_dir is None:
-            image, label_ids = read_image(image_path), read_label(label_path)
+            image, label_values = read_image(image_path), self.read_label(label_path)
         else:
             image = cached(self.cache_dir, image_path, read_image)
-            label_ids = cached(self.cache_dir, label_path, read_label)
-        if image.shape[:2] != label_ids.shape:
-            raise BadInput(f"{label_path} is {label_ids.shape[1]}x{label_ids.shape[0]} but its image is "
+            label_values = cached(self.cache_dir, label_path, self.read_label)
+        if image.shape[:2] != label_values.shape:
+            raise BadInput(f"{label_path} is {label_values.shape[1]}x{label_values.shape[0]} but its image is "
                            f"{image.shape[1]}x{image.shape[0]}; they must match")
-        return image, label_ids
+        return image, label_values
 
     def __getitem__(self, index):
-        image, label_ids = self.frame(index)
+        image, label_values = self.frame(index)
         if self.crop_size is None:
             image = torch.from_numpy(np.array(image)).permute(2, 0, 1)  # np.array copies, even a memory map
         else:
@@ -350,26 +342,223 @@ class Cityscapes(torchvision.datasets.Cityscapes):
             # Slice, then copy (np.array): from a memory map only the region's rows are read. The copy is
             # in (H, W, 3) order, in which torchvision's uint8 resize is fastest (3-4x).
             region = np.array(image[top:top + height, left:left + width])
-            label_region = np.array(label_ids[top:top + height, left:left + width])
+            label_region = np.array(label_values[top:top + height, left:left + width])
             image, label = resize_pad_flip(tv_tensors.Image(torch.from_numpy(region).permute(2, 0, 1)),
                                            tv_tensors.Mask(torch.from_numpy(label_region)[None]),
                                            out_size, self.crop_size, flip)
-            label_ids = label[0].numpy()  # padding is 255, which maps to 255
+            label_values = label[0].numpy()  # padding is 255, which every label_table maps to 255
             if self.color_jitter:
                 image = jitter_colors(image, self.color_jitter, generator)
-        # labelIds -> trainIds after the crop (on 0.6 M pixels, not 2 M), by a numpy table lookup.
-        return image.as_subclass(torch.Tensor), torch.from_numpy(_ID_TO_TRAINID_NP[np.asarray(label_ids)])
+        # Values -> class indices after the crop (on 0.6 M pixels, not 2 M), by a numpy table lookup.
+        return image.as_subclass(torch.Tensor), torch.from_numpy(self.label_table[np.asarray(label_values)])
+
+
+class Cityscapes(SegmentationFiles):
+    """Cityscapes in its official layout (leftImg8bit/, gtFine/): labelIds mapped to the 19 trainIds by
+    torchvision's label table. Listed here, not by torchvision.datasets.Cityscapes: its listing fails on a
+    stray file beside the city folders (a .DS_Store, a README), and its order (os.listdir) is not the same
+    on every machine; this one is sorted, the same on every rank."""
+    classes = {"names": CLASS_NAMES, "colors": CLASS_COLORS}
+    label_table = _ID_TO_TRAINID_NP
+
+    def __init__(self, root, split="train", **options):
+        get = "README.md says how to get Cityscapes; ./run.sh writes a synthetic set for a demo"
+        for sub in ("leftImg8bit", "gtFine"):
+            if not os.path.isdir(os.path.join(root, sub, split)):
+                raise BadInput(f"{os.path.join(root, sub, split)} not found: {root} should hold Cityscapes "
+                               f"(leftImg8bit/ and gtFine/) or your own data (images/, masks/, classes.json). {get}")
+        pairs = []
+        for city in _folder_entries(os.path.join(root, "leftImg8bit", split)):
+            for name in _folder_entries(city, folders=False):
+                if name.endswith("_leftImg8bit.png"):
+                    label = name.replace("_leftImg8bit.png", "_gtFine_labelIds.png")
+                    pairs.append((name, os.path.join(root, "gtFine", split, os.path.basename(city),
+                                                     os.path.basename(label))))
+        if not pairs:
+            raise BadInput(f"{os.path.join(root, 'leftImg8bit', split)} holds no *_leftImg8bit.png images. {get}")
+        missing = [t for _, t in pairs if not os.path.isfile(t)]
+        if missing:
+            raise BadInput(f"{len(missing)} {split} image(s) have no label file, e.g. {missing[0]} is missing; "
+                           "add the gtFine labels or remove those images")
+        labels = glob.glob(os.path.join(root, "gtFine", split, "*", "*_gtFine_labelIds.png"))
+        orphans = sorted(set(labels) - {t for _, t in pairs})
+        if orphans:
+            raise BadInput(f"{len(orphans)} {split} label(s) have no image, e.g. {orphans[0]}; "
+                           "add the leftImg8bit images or remove those labels")
+        super().__init__([image for image, _ in pairs], [label for _, label in pairs], **options)
+
+    def read_label(self, path):
+        return read_label(path)
 
     def image_id(self, index):
         """'{city}_{seq}_{frame}', the key the official evaluation matches predictions by."""
         return os.path.basename(self.images[index]).replace("_leftImg8bit.png", "")
 
+    def save_prediction(self, index, prediction, folder):
+        """(H, W) trainIds -> a labelIds PNG named after the image: what the official evaluation reads."""
+        Image.fromarray(TRAINID_TO_ID[prediction].numpy()).save(
+            os.path.join(folder, f"{self.image_id(index)}_pred_labelIds.png"))
 
-def colorize(train_ids):
-    """(H, W) trainIds -> (H, W, 3) uint8 in Cityscapes colours; ignore is black."""
+
+# ---------------------------------------------------------------------------------------------------
+# Your own data: images, masks and classes.json in plain folders.
+
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png")
+_CLASSES_EXAMPLE = ('{"names": ["background", "cat"], "colors": [[0, 0, 0], [255, 0, 0]], "ignore_index": 255} '
+                    "(colors and ignore_index may be left out)")
+
+
+def default_colors(count):
+    """A colour per class, for a classes.json without "colors": PASCAL VOC's palette (the bits of each index
+    spread over r, g and b, high bits first), from its second entry on: black stays for ignored pixels."""
+    colors = []
+    for index in range(1, count + 1):
+        rgb, bits = [0, 0, 0], index
+        for shift in range(7, -1, -1):
+            for channel in range(3):
+                rgb[channel] |= ((bits >> channel) & 1) << shift
+            bits >>= 3
+        colors.append(rgb)
+    return colors
+
+
+def read_classes(root):
+    """DIR/classes.json -> ({"names", "colors"}, the mask value that means ignore), checked."""
+    path = os.path.join(root, "classes.json")
+    try:
+        with open(path) as f:
+            spec = json.load(f)
+    except FileNotFoundError:
+        raise BadInput(f"{path} not found: a data set in images/ and masks/ names its classes there, as "
+                       f"{_CLASSES_EXAMPLE}") from None
+    except (OSError, ValueError) as error:
+        raise BadInput(f"{path} cannot be read as JSON ({str(error).splitlines()[0][:150]}); write it as "
+                       f"{_CLASSES_EXAMPLE}") from None
+    if not isinstance(spec, dict) or set(spec) - {"names", "colors", "ignore_index"}:
+        extra = sorted(set(spec) - {"names", "colors", "ignore_index"}) if isinstance(spec, dict) else spec
+        raise BadInput(f"{path} holds {extra!r}, not only names, colors and ignore_index; write it as "
+                       f"{_CLASSES_EXAMPLE}")
+    names = spec.get("names")
+    if (not isinstance(names, list) or len(names) < 2 or len(set(map(str, names))) != len(names)
+            or not all(isinstance(name, str) and name for name in names)):
+        raise BadInput(f'{path}: "names" must list at least 2 different class names, in the order of their '
+                       f"indices in the masks; write it as {_CLASSES_EXAMPLE}")
+    ignore = spec.get("ignore_index", IGNORE_INDEX)
+    if type(ignore) is not int or not len(names) <= ignore <= 255:
+        raise BadInput(f'{path}: "ignore_index" {ignore!r} must be a whole number from {len(names)} to 255: '
+                       f"0-{len(names) - 1} are the classes' indices")
+    colors = spec.get("colors", default_colors(len(names)))
+    if not (isinstance(colors, list) and len(colors) == len(names) and all(
+            isinstance(c, list) and len(c) == 3 and all(type(v) is int and 0 <= v <= 255 for v in c) for c in colors)):
+        raise BadInput(f'{path}: "colors" must hold one [r, g, b] of 0-255 for each of the {len(names)} names')
+    return {"names": names, "colors": colors}, ignore
+
+
+def _files_below(folder, extensions):
+    """Paths below folder (sub-folders included) of files with those extensions, relative to it, sorted."""
+    found = []
+    for parent, subfolders, names in os.walk(folder):
+        subfolders.sort()
+        for name in names:
+            path = os.path.join(parent, name)
+            if os.path.islink(path) and not os.path.exists(path):
+                raise BadInput(f"{path} is a symbolic link that leads nowhere or loops back to itself; fix or "
+                               "remove it")
+            if name.lower().endswith(extensions):
+                found.append(os.path.relpath(path, folder))
+    return sorted(found)
+
+
+class FolderDataset(SegmentationFiles):
+    """Your own data, in plain folders (sub-folders allowed: images/train/a/x.jpg pairs with masks/train/a/x.png):
+
+        DIR/classes.json                   {"names": [...], "colors": [[r, g, b], ...], "ignore_index": 255}
+        DIR/images/{train,val}/NAME.jpg    (or .jpeg, .png)
+        DIR/masks/{train,val}/NAME.png     one class index per pixel (0 is names[0]), ignore_index where
+                                           unlabelled; 8-bit greyscale, or a palette PNG (its indices count,
+                                           not its colours)
+
+    The classes, their names and colours come from classes.json ("colors" and "ignore_index" optional)."""
+
+    def __init__(self, root, split="train", **options):
+        self.classes, self.ignore_value = read_classes(root)
+        self.classes_path = os.path.join(root, "classes.json")
+        self.label_table = np.full(256, IGNORE_INDEX, dtype=np.uint8)
+        self.label_table[:self.num_classes] = np.arange(self.num_classes)
+        self.image_root, mask_root = os.path.join(root, "images", split), os.path.join(root, "masks", split)
+        for folder in (self.image_root, mask_root):
+            if not os.path.isdir(folder):
+                raise BadInput(f"{folder} not found: with a classes.json, {root} holds its {split} images in "
+                               f"images/{split}/ and their masks in masks/{split}/ (README.md, 'Your own data')")
+        images = {}
+        for name in _files_below(self.image_root, IMAGE_EXTENSIONS):
+            stem = os.path.splitext(name)[0]
+            if stem in images:
+                raise BadInput(f"{self.image_root}: {images[stem]} and {name} would share one mask, {stem}.png; "
+                               "rename one")
+            images[stem] = name
+        masks = {os.path.splitext(name)[0]: name for name in _files_below(mask_root, (".png",))}
+        if not images:
+            raise BadInput(f"{self.image_root} holds no images ({', '.join(IMAGE_EXTENSIONS)}): the {split} "
+                           "split is empty")
+        missing = [stem for stem in images if stem not in masks]
+        if missing:
+            raise BadInput(f"{len(missing)} {split} image(s) have no mask, e.g. {os.path.join(mask_root, missing[0])}"
+                           ".png is missing; add the masks or remove those images")
+        orphans = [name for stem, name in masks.items() if stem not in images]
+        if orphans:
+            raise BadInput(f"{len(orphans)} {split} mask(s) have no image, e.g. {os.path.join(mask_root, orphans[0])}"
+                           "; add the images or remove those masks")
+        stems = sorted(images)
+        super().__init__([os.path.join(self.image_root, images[s]) for s in stems],
+                         [os.path.join(mask_root, masks[s]) for s in stems], **options)
+
+    def read_label(self, path):
+        """(H, W) uint8 class indices or ignore_index, checked against classes.json."""
+        mask = decode_label(path)
+        if mask.ndim != 2 or mask.dtype != np.uint8:
+            raise BadInput(f"{path} is not a mask of class indices ({mask.dtype}, shape {mask.shape}): a mask is an "
+                           "8-bit greyscale or palette PNG holding one class index per pixel")
+        top = int(mask.max())  # fast (0.05 ms for 2 M pixels); the second pass only where ignore is the largest
+        if top == self.ignore_value:
+            top = int(np.where(mask == self.ignore_value, 0, mask).max())
+        if top >= self.num_classes:
+            raise BadInput(f"{path} holds the class index {top}, but {self.classes_path} names {self.num_classes} "
+                           f"classes (0-{self.num_classes - 1}) and ignore_index {self.ignore_value}: fix the mask, "
+                           "or add the class to classes.json")
+        return mask
+
+    def image_id(self, index):
+        """The image's path below images/SPLIT/, without its extension."""
+        return os.path.splitext(os.path.relpath(self.images[index], self.image_root))[0]
+
+    def save_prediction(self, index, prediction, folder):
+        """(H, W) class indices -> a mask as the data set's own: a palette PNG, the classes in their colours."""
+        path = os.path.join(folder, self.image_id(index) + ".png")
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        mask = Image.fromarray(prediction.to(torch.uint8).numpy())
+        mask.putpalette(palette_of(self.classes["colors"]))
+        mask.save(path)
+
+
+def palette_of(colors):
+    """A PNG palette of 256 entries, the classes' colours first, black after. All 256: with fewer, PIL writes
+    fewer bits a pixel, and an index past them (255, ignore) would be changed."""
+    return [value for color in colors for value in color] + [0] * (3 * (256 - len(colors)))
+
+
+def open_dataset(root, split="train", **options):
+    """The data set at root: your own (FolderDataset) where root holds classes.json or images/, else Cityscapes.
+    options: SegmentationFiles' (crop_size, seed, cache_dir, scale_range, color_jitter)."""
+    own = os.path.exists(os.path.join(root, "classes.json")) or os.path.isdir(os.path.join(root, "images"))
+    return (FolderDataset if own else Cityscapes)(root, split, **options)
+
+
+def colorize(labels, colors=CLASS_COLORS):
+    """(H, W) class indices -> (H, W, 3) uint8 in the classes' colours (Cityscapes' by default); ignore is black."""
     palette = torch.zeros(256, 3, dtype=torch.uint8)
-    palette[:NUM_CLASSES] = torch.tensor(CLASS_COLORS, dtype=torch.uint8)
-    return palette[train_ids.long()]
+    palette[:len(colors)] = torch.tensor(colors, dtype=torch.uint8)
+    return palette[labels.long()]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -507,20 +696,45 @@ def draw_street(rng, width, height, photo=False):
     return np.clip(pixels, 0, 255).astype(np.uint8), np.asarray(label)
 
 
-def write_synthetic(root, num_train=200, num_val=50, size=(256, 128), seed=0, photo=False):
-    """Write a synthetic Cityscapes under root, in the official layout and naming. Deterministic for a seed.
+# The folder layout's synthetic set has other classes than Cityscapes' 19: its 7 categories (flat, construction,
+# object, nature, sky, human, vehicle), each coloured as its first class. Void (category 0) is ignored.
+CATEGORY_NAMES = [name for _, name in sorted({(c.category_id, c.category) for c in _TABLE if c.category_id > 0})]
+_ID_TO_CATEGORY = np.full(256, IGNORE_INDEX, dtype=np.uint8)
+for _c in _TABLE:
+    if _c.id >= 0 and _c.category_id > 0:
+        _ID_TO_CATEGORY[_c.id] = _c.category_id - 1
+CATEGORY_COLORS = [list(next(c.color for c in _TRAIN_CLASSES if c.category == name)) for name in CATEGORY_NAMES]
+
+
+def write_synthetic(root, num_train=200, num_val=50, size=(256, 128), seed=0, photo=False, layout="cityscapes"):
+    """Write a synthetic data set under root. Deterministic for a seed.
+    layout="cityscapes": Cityscapes' official layout and naming, labelIds (the 19 classes).
+    layout="folder": FolderDataset's (images/, masks/, classes.json) with Cityscapes' 7 categories as classes;
+    JPEG images, and palette-PNG masks that show the classes in their colours.
     photo=True: photo-like frames (photo_texture), for measuring decoding; about 1.5 s a 2048x1024 frame."""
     width, height = size
+    if layout == "folder":
+        os.makedirs(root, exist_ok=True)
+        with open(os.path.join(root, "classes.json"), "w") as f:
+            json.dump({"names": CATEGORY_NAMES, "colors": CATEGORY_COLORS, "ignore_index": IGNORE_INDEX}, f, indent=1)
     for split_index, (split, count, cities) in enumerate(
             (("train", num_train, _TRAIN_CITIES), ("val", num_val, _VAL_CITIES))):
         for i in range(count):
+            image, label = draw_street(np.random.default_rng([seed, split_index, i]), width, height, photo)
+            if layout == "folder":
+                for sub in ("images", "masks"):
+                    os.makedirs(os.path.join(root, sub, split), exist_ok=True)
+                Image.fromarray(image).save(os.path.join(root, "images", split, f"street_{i:04d}.jpg"), quality=90)
+                mask = Image.fromarray(_ID_TO_CATEGORY[label])
+                mask.putpalette(palette_of(CATEGORY_COLORS))  # a "P" image now
+                mask.save(os.path.join(root, "masks", split, f"street_{i:04d}.png"))
+                continue
             city = cities[i % len(cities)]
             stem = f"{city}_{i // len(cities):06d}_{19:06d}"
             image_dir = os.path.join(root, "leftImg8bit", split, city)
             label_dir = os.path.join(root, "gtFine", split, city)
             os.makedirs(image_dir, exist_ok=True)
             os.makedirs(label_dir, exist_ok=True)
-            image, label = draw_street(np.random.default_rng([seed, split_index, i]), width, height, photo)
             # compress_level=1: noisy images barely compress anyway, and writing is 5x faster. Photo-like
             # frames get PNG's default (6), as real ones: 2.3 MB instead of 2.7, decoded as fast.
             Image.fromarray(image).save(os.path.join(image_dir, f"{stem}_leftImg8bit.png"),
@@ -543,7 +757,7 @@ def _cache_frame(index):
 def prepare_cache(root, cache_dir, splits, workers):
     """Decode every frame of the splits into cache_dir, `workers` processes at a time."""
     for split in splits:
-        data = Cityscapes(root, split, cache_dir=cache_dir)
+        data = open_dataset(root, split, cache_dir=cache_dir)
         with multiprocessing.Pool(workers, initializer=_set_preparing, initargs=(data,)) as pool:
             for done, _ in enumerate(pool.imap_unordered(_cache_frame, range(len(data)), chunksize=4), 1):
                 if done % 100 == 0 or done == len(data):
@@ -553,8 +767,8 @@ def prepare_cache(root, cache_dir, splits, workers):
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description="Write a synthetic Cityscapes in the official layout, or fill "
-                                                 "a decode cache from a Cityscapes folder.")
+    parser = argparse.ArgumentParser(description="Write a synthetic data set (Cityscapes' official layout, or the "
+                                                 "folder layout of your own data), or fill a decode cache.")
     task = parser.add_mutually_exclusive_group(required=True)
     task.add_argument("--synthetic", metavar="DIR", help="folder to write a synthetic data set into")
     task.add_argument("--prepare-cache", metavar="CACHE_DIR", help="decode --data's frames into this folder")
@@ -562,9 +776,12 @@ if __name__ == "__main__":
     parser.add_argument("--num-val", type=int, default=50)
     parser.add_argument("--size", type=int, nargs=2, default=(256, 128), metavar=("W", "H"))
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--layout", choices=("cityscapes", "folder"), default="cityscapes",
+                        help="with --synthetic: Cityscapes' layout (19 classes), or images/, masks/ and classes.json "
+                             "(Cityscapes' 7 categories as classes)")
     parser.add_argument("--photo", action="store_true", help="photo-like frames: as large and slow to decode "
                                                              "as real ones (about 1.5 s each to write at 2048x1024)")
-    parser.add_argument("--data", default="data/cityscapes", help="with --prepare-cache: the Cityscapes root")
+    parser.add_argument("--data", default="data/cityscapes", help="with --prepare-cache: the data set's root")
     parser.add_argument("--split", nargs="+", default=["train", "val"], help="with --prepare-cache")
     parser.add_argument("-j", "--workers", type=int, default=os.cpu_count(), help="with --prepare-cache")
     args = parser.parse_args()
@@ -576,6 +793,6 @@ if __name__ == "__main__":
         sys.exit()
     if min(args.size) < 16 or args.num_train < 1 or args.num_val < 1:
         sys.exit("dataset.py: --size must be at least 16 16 and --num-train, --num-val at least 1")
-    write_synthetic(args.synthetic, args.num_train, args.num_val, tuple(args.size), args.seed, args.photo)
+    write_synthetic(args.synthetic, args.num_train, args.num_val, tuple(args.size), args.seed, args.photo, args.layout)
     print(f"wrote {args.num_train} train and {args.num_val} val {'photo-like ' if args.photo else ''}images "
-          f"({args.size[0]}x{args.size[1]}) to {args.synthetic}")
+          f"({args.size[0]}x{args.size[1]}) to {args.synthetic}, {args.layout} layout")

@@ -39,8 +39,7 @@ from torch.utils.data import DataLoader, Subset
 import checks
 import inference
 import recovery
-from dataset import (CLASS_NAMES, IGNORE_INDEX, NUM_CLASSES, TRAINID_TO_ID, BadInput, Cityscapes, colorize,
-                     default_workers, normalize)
+from dataset import IGNORE_INDEX, BadInput, colorize, default_workers, normalize, open_dataset
 from models import MODEL_NAMES, build_model
 from checks import at_least, fraction, non_negative, positive
 from recovery import fail, get_rank, get_world_size, is_main_process, log
@@ -53,11 +52,15 @@ def get_args_parser():
     # torchvision's ImageNet ResNet-101 at output stride 16, crop 768, global batch 16, SGD lr 0.1 (the
     # backbone at 0.1x), momentum 0.9, weight decay 1e-4, poly(0.9) over 30k iterations.
     parser = argparse.ArgumentParser(prog="main.py", description="DDP DeepLab on Cityscapes", allow_abbrev=False)
-    parser.add_argument("--data", default="data/cityscapes", help="Cityscapes root (leftImg8bit/, gtFine/)")
+    parser.add_argument("--data", default="data/cityscapes",
+                        help="Cityscapes (leftImg8bit/, gtFine/) or your own data (images/, masks/, classes.json)")
     parser.add_argument("--model", default="deeplabv3plus_resnet101", choices=MODEL_NAMES)
     parser.add_argument("--output-stride", type=int, default=16, choices=(8, 16))
     parser.add_argument("--pretrained-backbone", default="imagenet", metavar="imagenet|PATH|none",
                         help="backbone weights: torchvision's ImageNet ones (downloaded once), a local .pth, or none")
+    parser.add_argument("--weights", default=None, metavar="PATH",
+                        help="start from a trained model (best.pth), e.g. to fine-tune on your data; a classifier "
+                             "for other classes is started afresh")
     parser.add_argument("--crop-size", type=at_least(1), nargs="+", default=[768], metavar="N",
                         help="training crop: one number (square) or two (height width)")
     parser.add_argument("--scale-range", type=positive(), nargs=2, default=(1.0, 1.0), metavar=("MIN", "MAX"),
@@ -89,7 +92,9 @@ def get_args_parser():
     parser.add_argument("--amp", nargs="?", const="bf16", choices=("bf16", "fp16"), default=None,
                         help="mixed precision: bf16 (default when given alone) or fp16 (with a GradScaler)")
     parser.add_argument("--save-predictions", default=None, metavar="DIR",
-                        help="write each val prediction as a labelIds PNG, the official evaluation's input")
+                        help="write each val prediction as a PNG (Cityscapes: labelIds, the official evaluation's)")
+    parser.add_argument("--tensorboard", action="store_true",
+                        help="also write loss, lr, mIoU, per-class IoU and pictures for TensorBoard into --output-dir")
     parser.add_argument("--dist-backend", default=None, choices=("nccl", "gloo"),
                         help="default: nccl with CUDA, gloo on the CPU")
     parser.add_argument("--dist-timeout", type=positive(7 * 24 * 60), default=5.0, metavar="MINUTES",
@@ -157,9 +162,9 @@ def adjust_learning_rate(optimizer, base_lr, step, total_steps):
 
 
 def train_one_epoch(model, optimizer, scaler, loader, device, epoch, first_step, steps_per_epoch, args,
-                    autocast=contextlib.nullcontext, memory_format=torch.contiguous_format):
+                    autocast=contextlib.nullcontext, memory_format=torch.contiguous_format, writer=None):
     """Train on this rank's shard of one epoch, from step first_step on (a resumed epoch: loader yields
-    only the batches it has not seen).
+    only the batches it has not seen). writer: TensorBoard's, on rank 0 with --tensorboard (else None).
 
     Returns {"loss_sum": over ranks and steps, "steps": done, "lr": the last, "images_per_s": over all ranks,
     "data_wait": the largest fraction of its time a rank waited for data, "stopped": None, "signal" or
@@ -210,6 +215,9 @@ def train_one_epoch(model, optimizer, scaler, loader, device, epoch, first_step,
                 f"(data {window_wait / window_steps:.3f} s) eta {timedelta(seconds=round(eta))} "
                 f"peak mem {peak_memory_gib(device):.2f} GiB")
             window_start, window_images, window_wait = now, 0, 0.0
+            if writer is not None:  # x: the iteration, which a resumed run continues
+                for name, value in (("loss", mean_loss), ("lr", lr), ("images_per_s", images_per_s)):
+                    writer.add_scalar(f"train/{name}", value, epoch * steps_per_epoch + step + 1)
         if signal_seen:
             stopped = "signal"
             break
@@ -245,32 +253,29 @@ def eval_shard(dataset_size, rank, world_size):
 
 
 @torch.inference_mode()
-def evaluate(model, loader, device, autocast=contextlib.nullcontext, image_ids=None, save_dir=None):
+def evaluate(model, loader, device, num_classes, autocast=contextlib.nullcontext, save_dir=None):
     """Confusion matrix (true class x predicted class) over this rank's val images, summed over all ranks.
 
     Runs on the unwrapped model: DDP's forward would broadcast buffers, a collective that ranks with
     fewer images would never join, and the job would hang. The only collective is the final all_reduce.
-    image_ids: the name of each image the loader yields, in order (batch size 1), for save_dir.
+    loader: Subset(val set, this rank's indices), batch size 1. save_dir: write each prediction there.
     Returns (confusion, (image, label, prediction) of this rank's first image, for the picture)."""
     model.eval()
-    confusion = torch.zeros(NUM_CLASSES * NUM_CLASSES, dtype=torch.int64, device=device)
+    confusion = torch.zeros(num_classes * num_classes, dtype=torch.int64, device=device)
     first = None
     for position, (images, labels) in enumerate(loader):
         images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True).long()
         with autocast():
             predictions = model(normalize(images)).argmax(1)  # full resolution: the model upsamples its logits
         labelled = labels != IGNORE_INDEX
-        confusion += torch.bincount(labels[labelled] * NUM_CLASSES + predictions[labelled],
-                                    minlength=NUM_CLASSES * NUM_CLASSES)
+        confusion += torch.bincount(labels[labelled] * num_classes + predictions[labelled],
+                                    minlength=num_classes * num_classes)
         if first is None:
             first = (images[0].cpu(), labels[0].cpu(), predictions[0].cpu())
-        if save_dir is not None:
-            # The official evaluation wants labelIds, not trainIds, one PNG per image, named by image.
-            # Each rank writes the files of its own images; no two ranks write the same file.
-            label_ids = TRAINID_TO_ID[predictions[0].cpu()].numpy()
-            Image.fromarray(label_ids).save(os.path.join(save_dir, f"{image_ids[position]}_pred_labelIds.png"))
+        if save_dir is not None:  # each rank its own images' files (Cityscapes: labelIds, as the evaluation wants)
+            loader.dataset.dataset.save_prediction(loader.dataset.indices[position], predictions[0].cpu(), save_dir)
     all_reduce(confusion)
-    return confusion.view(NUM_CLASSES, NUM_CLASSES).cpu(), first
+    return confusion.view(num_classes, num_classes).cpu(), first
 
 
 def iou_from_confusion(confusion):
@@ -284,31 +289,32 @@ def iou_from_confusion(confusion):
     return miou, iou
 
 
-def iou_dict(iou):
+def iou_dict(iou, names):
     """{class name: IoU}, None for classes absent from the val set (JSON has no NaN)."""
-    return {name: (None if math.isnan(value) else value) for name, value in zip(CLASS_NAMES, iou.tolist())}
+    return {name: (None if math.isnan(value) else value) for name, value in zip(names, iou.tolist())}
 
 
-def print_iou_table(miou, iou):
+def print_iou_table(miou, iou, names):
     lines = [f"  {name:<14} {value * 100:6.2f}" if not math.isnan(value) else f"  {name:<14}    n/a"
-             for name, value in zip(CLASS_NAMES, iou.tolist())]
+             for name, value in zip(names, iou.tolist())]
     log("per-class IoU (%):\n" + "\n".join(lines) + f"\n  {'mIoU':<14} {miou * 100:6.2f}")
 
 
-def save_picture(path, sample):
-    """image | ground truth | prediction, side by side, in Cityscapes colours (ignore in black)."""
+def save_picture(path, sample, colors):
+    """image | ground truth | prediction, side by side, in the classes' colours (ignore in black). -> the picture."""
     image, label, prediction = sample  # image: uint8 (3, H, W), as the data set gives it
-    picture = torch.cat([image.permute(1, 2, 0), colorize(label), colorize(prediction)], dim=1)
+    picture = torch.cat([image.permute(1, 2, 0), colorize(label, colors), colorize(prediction, colors)], dim=1)
     Image.fromarray(picture.numpy()).save(path)
+    return picture
 
 
 def load_datasets(args, crop_size, world_size):
     """The train and val sets, every file's header read: a missing label or a damaged file is found here,
     before any training time is spent, the same way on every rank."""
     try:
-        train_set = Cityscapes(args.data, "train", crop_size=crop_size, seed=args.seed, cache_dir=args.cache_dir,
-                               scale_range=args.scale_range, color_jitter=args.color_jitter)
-        val_set = Cityscapes(args.data, "val", cache_dir=args.cache_dir)
+        train_set = open_dataset(args.data, "train", crop_size=crop_size, seed=args.seed, cache_dir=args.cache_dir,
+                                 scale_range=args.scale_range, color_jitter=args.color_jitter)
+        val_set = open_dataset(args.data, "val", cache_dir=args.cache_dir)  # the same classes: one classes.json
         train_set.check_files()
         val_set.check_files(decode_labels=True)  # found now, not after the first epoch
     except BadInput as error:
@@ -331,36 +337,44 @@ def make_optimizer(model, args):
                            lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay)
 
 
-def evaluate_checkpoint(args, model, val_loader, val_ids, device, autocast, num_images, checkpoint):
+def evaluate_checkpoint(args, model, val_loader, classes, device, autocast, num_images, checkpoint):
     """-e: evaluate --resume's model on val, print the table; rank 0 writes eval.json and the picture."""
     start, mode = time.time(), inference.read_mode(args)
-    confusion, sample = evaluate(inference.wrap(model, mode), val_loader, device, autocast, val_ids,
+    confusion, sample = evaluate(inference.wrap(model, mode), val_loader, device, len(classes["names"]), autocast,
                                  args.save_predictions)
     miou, iou = iou_from_confusion(confusion)
-    print_iou_table(miou, iou)
+    print_iou_table(miou, iou, classes["names"])
     if is_main_process():
         elapsed = time.time() - start
-        result = {"miou": miou, "iou": iou_dict(iou), "num_images": num_images,  # each once
+        result = {"miou": miou, "iou": iou_dict(iou, classes["names"]), "num_images": num_images,  # each once
                   "checkpoint": checkpoint, "eval_time_s": elapsed, "mode": inference.describe(mode),
                   "images_per_s": num_images / elapsed}
         with open(os.path.join(args.output_dir, "eval.json"), "w") as f:
             json.dump(result, f, indent=1)
-        save_picture(os.path.join(args.output_dir, "vis", "eval.png"), sample)
+        save_picture(os.path.join(args.output_dir, "vis", "eval.png"), sample, classes["colors"])
         log(f"wrote {os.path.join(args.output_dir, 'eval.json')}"
             + (f" and predictions to {args.save_predictions}" if args.save_predictions else ""))
 
 
-def record_epoch(args, state, is_best, sample, record, estimate=False):
+def record_epoch(args, state, is_best, sample, record, writer=None, estimate=False):
     """After an epoch (rank 0 alone: several ranks writing one file corrupt it): checkpoint.pth (the one it
     replaces kept as checkpoint.prev.pth), best.pth when the mIoU is the best yet, the picture, a line of
-    metrics.jsonl, and what the user should know. -> None, or why a file could not be written (a full disk),
-    which every rank then stops on."""
+    metrics.jsonl, TensorBoard's points (writer), and what the user should know. -> None, or why a file could
+    not be written (a full disk), which every rank then stops on."""
     # checkpoint.pth last: a run stopped between these writes resumes before this epoch, and redoes them all.
     checkpoint_path = os.path.join(args.output_dir, "checkpoint.pth")
     try:
-        save_picture(os.path.join(args.output_dir, "vis", f"epoch_{record['epoch']:03d}.png"), sample)
+        picture = save_picture(os.path.join(args.output_dir, "vis", f"epoch_{record['epoch']:03d}.png"), sample,
+                               state["classes"]["colors"])
         with open(os.path.join(args.output_dir, "metrics.jsonl"), "a") as f:
             f.write(json.dumps(record) + "\n")
+        if writer is not None:  # at the iteration the epoch ends on, the x-axis of the step curves
+            for name, value in [("val/mIoU", record["miou"]), ("train/epoch_loss", record["train_loss"]),
+                                *((f"val_IoU/{name}", value) for name, value in record["iou"].items())]:
+                if value is not None:  # a class absent from val has no IoU
+                    writer.add_scalar(name, value, record["iteration"])
+            writer.add_image("val/image_truth_prediction", picture.numpy(), record["iteration"], dataformats="HWC")
+            writer.flush()
         if is_best:
             recovery.save_checkpoint(state, os.path.join(args.output_dir, "best.pth"))
         recovery.save_checkpoint(state, checkpoint_path, keep_previous=True)
@@ -412,10 +426,14 @@ def main(args):
     # Step 3: the model, wrapped in DDP. The same seed on every rank gives the same initial weights
     # (DDP would also broadcast rank 0's when it wraps the model).
     torch.manual_seed(args.seed)
-    try:
-        model = build_model(args.model, NUM_CLASSES, args.output_stride, args.pretrained_backbone)
+    classes = train_set.classes  # {"names", "colors"}: Cityscapes' 19, or those of your classes.json
+    try:  # with --weights, every layer but perhaps the classifier comes from there: no ImageNet backbone
+        model = build_model(args.model, len(classes["names"]), args.output_stride,
+                            "none" if args.weights else args.pretrained_backbone)
     except (ValueError, FileNotFoundError, RuntimeError) as error:
         fail(error)
+    if args.weights:
+        recovery.load_weights(model, args.weights, args.model, classes)  # fine-tuning (--resume, if any, wins)
     # Precision and memory layout, resolved once. channels_last (NHWC): faster convolutions on GPUs.
     amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.amp)
     autocast = functools.partial(torch.autocast, device.type, dtype=amp_dtype, enabled=amp_dtype is not None)
@@ -457,22 +475,27 @@ def main(args):
                               drop_last=True, persistent_workers=workers > 0, **loader_args)
     val_shard = eval_shard(len(val_set), rank, world_size)
     val_loader = DataLoader(Subset(val_set, val_shard), batch_size=1, **loader_args)
-    val_ids = [val_set.image_id(i) for i in val_shard]
     steps_per_epoch = len(train_loader)
 
     optimizer = make_optimizer(model_without_ddp, args)
     # float16 needs loss scaling against underflow; bfloat16 has float32's range and needs none.
     scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
-    position, resumed_from = recovery.resume(args, model_without_ddp, optimizer, scaler, world_size)
+    position, resumed_from = recovery.resume(args, model_without_ddp, optimizer, scaler, world_size, classes)
     if args.check_only:
         return
     checkpoint_path = os.path.join(args.output_dir, "checkpoint.pth")
     if is_main_process() and not args.evaluate and position["epoch"] < args.epochs:
         recovery.trim_metrics(os.path.join(args.output_dir, "metrics.jsonl"), position["epoch"])
     recovery.install_signal_handlers()
+    writer = None
+    if args.tensorboard and is_main_process():
+        from torch.utils.tensorboard import SummaryWriter  # optional: check_args made sure it is installed
+        # purge_step: TensorBoard drops what a stopped run logged after the point this run resumes from.
+        writer = SummaryWriter(os.path.join(args.output_dir, "tensorboard"),
+                               purge_step=position["epoch"] * steps_per_epoch + position["step"] + 1)
 
     if args.evaluate:
-        evaluate_checkpoint(args, model_without_ddp, val_loader, val_ids, device, autocast, len(val_set),
+        evaluate_checkpoint(args, model_without_ddp, val_loader, classes, device, autocast, len(val_set),
                             resumed_from)
     elif position["epoch"] >= args.epochs:  # a requeued job that had finished: not a failure, nothing to do
         log(f"nothing to train: {resumed_from} has finished epoch {position['epoch']} of --epochs {args.epochs} "
@@ -490,7 +513,7 @@ def main(args):
             train_set.epoch = epoch
             epoch_start = time.time()
             trained = train_one_epoch(model, optimizer, scaler, train_loader, device, epoch, start_step,
-                                      steps_per_epoch, args, autocast, memory_format)
+                                      steps_per_epoch, args, autocast, memory_format, writer)
             train_sampler.skip = 0
             if trained["stopped"] == "nonfinite":
                 fail(f"the loss became NaN or infinite in epoch {epoch}: stopped without saving; "
@@ -500,7 +523,7 @@ def main(args):
             sync_buffers(model_without_ddp)
             state = {"model": model_without_ddp.state_dict(), "optimizer": optimizer.state_dict(),
                      "scaler": scaler.state_dict(), "best_miou": best_miou, "args": vars(args),
-                     "world_size": world_size, "batch_size": args.batch_size}  # vars(): loads weights_only
+                     "world_size": world_size, "batch_size": args.batch_size, "classes": classes}  # weights_only
             if trained["stopped"] == "signal":
                 step = start_step + trained["steps"]
                 if is_main_process():
@@ -511,20 +534,22 @@ def main(args):
                     "--resume auto")
                 break
             eval_start = time.time()
-            confusion, sample = evaluate(model_without_ddp, val_loader, device, autocast, val_ids,
+            confusion, sample = evaluate(model_without_ddp, val_loader, device, len(classes["names"]), autocast,
                                          args.save_predictions if epoch == args.epochs - 1 else None)
             miou, iou = iou_from_confusion(confusion)
-            print_iou_table(miou, iou)
+            print_iou_table(miou, iou, classes["names"])
             is_best, best_miou = miou > best_miou, max(miou, best_miou)
             train_loss = epoch_loss_sum / (steps_per_epoch * world_size)
             not_written = None
             if is_main_process():
                 state.update(best_miou=best_miou, epoch=epoch + 1, step=0, epoch_loss_sum=0.0)
                 not_written = record_epoch(args, state, is_best, sample, {
-                    "epoch": epoch, "train_loss": train_loss, "lr": trained["lr"], "miou": miou, "iou": iou_dict(iou),
+                    "epoch": epoch, "iteration": (epoch + 1) * steps_per_epoch, "train_loss": train_loss,
+                    "lr": trained["lr"], "miou": miou, "iou": iou_dict(iou, classes["names"]),
                     "train_img_per_s": trained["images_per_s"], "data_wait_fraction": trained["data_wait"],
                     "epoch_time_s": time.time() - epoch_start, "eval_time_s": time.time() - eval_start,
-                    "world_size": world_size, "peak_memory_gib": trained["peak_memory_gib"]}, epoch == first_epoch)
+                    "world_size": world_size, "peak_memory_gib": trained["peak_memory_gib"]},
+                    writer, estimate=epoch == first_epoch)
             start_step, epoch_loss_sum = 0, 0.0
             # Every rank learns whether rank 0 could write (a full disk), and whether a signal came during
             # evaluation: all stop together, rank 0 saying why.
@@ -539,6 +564,8 @@ def main(args):
         else:
             log(f"done: best mIoU {best_miou:.4f}. Checkpoints in {args.output_dir}/ (checkpoint.pth, best.pth), "
                 f"pictures in {args.output_dir}/vis/, metrics in {args.output_dir}/metrics.jsonl")
+    if writer is not None:
+        writer.close()
     if distributed:
         recovery.stop_heartbeat()
         dist.destroy_process_group()  # without it NCCL warns of leaked resources at exit

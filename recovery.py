@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data.distributed import DistributedSampler
 
-from dataset import NUM_CLASSES, BadInput
+from dataset import BadInput, Cityscapes
 
 # This module's state, in one place: set by main.py and the signal handler, read by the heartbeat.
 _state = SimpleNamespace(quiet=False, signal=None, signal_time=0.0, step=0, output_dir=None,
@@ -403,28 +403,72 @@ def find_checkpoint(resume, output_dir, evaluate=False):
     return None, ""
 
 
-def load_model_state(model, checkpoint, path, model_name):
+def classes_of(checkpoint):
+    """The class names a checkpoint was trained for: main.py saves them; one saved before it did was trained
+    on Cityscapes; weights alone (a bare state dict) do not say (None)."""
+    if "classes" in checkpoint:
+        return list(checkpoint["classes"]["names"])
+    return list(Cityscapes.classes["names"]) if "args" in checkpoint else None
+
+
+def _load_fitting(model, weights, flag, path, model_name):
+    """Load weights that must fit the model exactly; else one line that says how they differ."""
+    own = model.state_dict()
+    wrong = [f"{k} {tuple(v.shape)} vs {tuple(own[k].shape)}" for k, v in weights.items()
+             if k in own and v.shape != own[k].shape]
+    missing, unexpected = own.keys() - weights.keys(), weights.keys() - own.keys()
+    if wrong or missing or unexpected:
+        fail(f"{flag} {path} does not fit {model_name}: {len(wrong)} tensors of another shape (e.g. {wrong[:1]}), "
+             f"{len(missing)} missing, {len(unexpected)} unexpected")
+    model.load_state_dict(weights)
+
+
+def load_model_state(model, checkpoint, path, model_name, classes):
+    """--resume: the model of the run to continue or evaluate, trained for the classes of --data."""
     saved = checkpoint.get("args", {}).get("model")
     if saved and saved != model_name:
         fail(f"--resume {path} holds a {saved} model, but this run builds {model_name}: pass --model {saved}")
-    own, theirs = model.state_dict(), checkpoint["model"]
-    wrong = [f"{k} {tuple(v.shape)} vs {tuple(own[k].shape)}" for k, v in theirs.items()
-             if k in own and v.shape != own[k].shape]
-    missing, unexpected = own.keys() - theirs.keys(), theirs.keys() - own.keys()
-    if wrong or missing or unexpected:
-        fail(f"--resume {path} does not fit {model_name} with {NUM_CLASSES} classes: {len(wrong)} tensors of "
-             f"another shape (e.g. {wrong[:1]}), {len(missing)} missing, {len(unexpected)} unexpected")
-    model.load_state_dict(theirs)
+    theirs = classes_of(checkpoint)
+    if theirs is not None and theirs != list(classes["names"]):
+        fail(f"--resume {path} was trained for {len(theirs)} classes ({', '.join(theirs[:3])}, ...), but --data has "
+             f"{len(classes['names'])} others ({', '.join(classes['names'][:3])}, ...): use the model on its own "
+             f"data, or fine-tune it on this data with --weights {path}")
+    _load_fitting(model, checkpoint["model"], "--resume", path, model_name)
 
 
-def resume(args, model, optimizer, scaler, world_size):
+def load_weights(model, path, model_name, classes):
+    """--weights: start from a trained model (fine-tuning). A classifier trained for other classes (another
+    number, or other names) is left as built, freshly initialised, and a line says so; the rest must fit."""
+    if not os.path.isfile(path):
+        fail(f"--weights {path}: no such file")
+    checkpoint, problem = read_checkpoint(path)
+    if problem:
+        fail(f"--weights {path} {problem}")
+    saved = checkpoint.get("args", {}).get("model")
+    if saved and saved != model_name:
+        fail(f"--weights {path} holds a {saved} model, but this run builds {model_name}: pass --model {saved}")
+    weights, own = dict(checkpoint["model"]), model.state_dict()
+    theirs = classes_of(checkpoint)
+    head = [key for key in ("classifier.weight", "classifier.bias") if key in weights and key in own]
+    if any(weights[key].shape != own[key].shape for key in head) or theirs not in (None, list(classes["names"])):
+        before = f"{len(theirs)} classes ({', '.join(theirs[:3])}, ...)" if theirs else "other classes"
+        for key in head:
+            weights[key] = own[key]
+        log(f"--weights {path}: its classifier, trained for {before}, does not fit the {len(classes['names'])} "
+            f"classes of --data and starts afresh; every other layer starts from {path}")
+    else:
+        log(f"--weights {path}: every layer starts from it")
+    _load_fitting(model, weights, "--weights", path, model_name)
+
+
+def resume(args, model, optimizer, scaler, world_size, classes):
     """--resume PATH|auto (or none): load the model and, when training, the optimizer, GradScaler and position.
     -> ({"epoch", "step", "best_miou", "epoch_loss_sum"}, the checkpoint's path or "")."""
     position = {"epoch": args.start_epoch, "step": 0, "best_miou": float("-inf"), "epoch_loss_sum": 0.0}
     checkpoint, path = find_checkpoint(args.resume, args.output_dir, args.evaluate) if args.resume else (None, "")
     if checkpoint is None:
         return position, ""
-    load_model_state(model, checkpoint, path, args.model)
+    load_model_state(model, checkpoint, path, args.model, classes)
     if args.evaluate:  # the weights are all -e needs
         return position, path
     if args.start_epoch and args.resume != "auto":

@@ -82,3 +82,22 @@ def straight(data24, tmp_path_factory):
     run(["./run.sh", "--epochs", "2", *SLOW_ARGS],
         env={"DATA": data24, "OUTPUT_DIR": out, "NPROC": "2", "MASTER_PORT": str(free_port())})
     return out
+
+
+@pytest.fixture(scope="session")
+def trained(tiny_data, tmp_path_factory):
+    """A real run's output folder: one epoch on tiny_data, in-process, one process (Cityscapes' 19 classes)."""
+    import main
+    out = str(tmp_path_factory.mktemp("trained"))
+    main.main(main.get_args_parser().parse_args(["--data", tiny_data, "--output-dir", out, "--epochs", "1",
+                                                 *TRAIN_ARGS]))
+    return out
+
+
+@pytest.fixture(scope="session")
+def folder_data(tmp_path_factory):
+    """Your own data as dataset.py --layout folder writes it: 8 train and 5 val JPEGs, palette masks, and
+    classes.json with Cityscapes' 7 categories as the classes."""
+    root = str(tmp_path_factory.mktemp("own_data"))
+    write_synthetic(root, num_train=8, num_val=5, size=(64, 32), seed=3, layout="folder")
+    return root

@@ -104,7 +104,7 @@ def test_samples_are_uint8_and_the_crop_read_first_is_train_transform_of_the_who
             # The same draw applied to the whole decoded frame, as train_transform does it.
             with Image.open(train_set.images[index]) as f:
                 whole = torchvision.tv_tensors.Image(torch.from_numpy(np.array(f.convert("RGB"))).permute(2, 0, 1))
-            with Image.open(train_set.targets[index][0]) as f:
+            with Image.open(train_set.labels[index]) as f:
                 whole_label = torchvision.tv_tensors.Mask(torch.from_numpy(np.array(f))[None])
             expected_image, expected_label = train_transform(whole, whole_label, (48, 48),
                                                              sample_generator(5, epoch, index))
@@ -168,10 +168,10 @@ def copy_of(tiny_data, tmp_path):
 def test_a_truncated_image_or_label_is_a_bad_input_naming_the_file(tiny_data, tmp_path, cached):
     root = copy_of(tiny_data, tmp_path)
     cache_dir = str(tmp_path / "cache") if cached else None
-    for which in ("images", "targets"):
+    for which in ("images", "labels"):
         data = Cityscapes(root, "val", crop_size=(16, 16), cache_dir=cache_dir)
         index = 1 if which == "images" else 2
-        path = data.images[index] if which == "images" else data.targets[index][0]
+        path = data.images[index] if which == "images" else data.labels[index]
         with open(path, "r+b") as f:
             f.truncate(os.path.getsize(path) // 2)
         with pytest.raises(BadInput, match=f"{path} cannot be decoded .*; replace it, or remove the image and its label"):
@@ -195,9 +195,9 @@ def assert_same(a, b):
 def test_a_cached_run_is_bitwise_the_uncached_run(tiny_data, tmp_path):
     cache_dir = str(tmp_path / "cache")
     for split, crop in (("train", (40, 40)), ("val", None)):
-        reference = outputs(Cityscapes(tiny_data, split, crop, seed=3))
-        filling = outputs(Cityscapes(tiny_data, split, crop, seed=3, cache_dir=cache_dir))  # decodes, writes
-        from_cache = Cityscapes(tiny_data, split, crop, seed=3, cache_dir=cache_dir)
+        reference = outputs(Cityscapes(tiny_data, split, crop_size=crop, seed=3))
+        filling = outputs(Cityscapes(tiny_data, split, crop_size=crop, seed=3, cache_dir=cache_dir))  # decodes, writes
+        from_cache = Cityscapes(tiny_data, split, crop_size=crop, seed=3, cache_dir=cache_dir)
         assert isinstance(from_cache.frame(0)[0], np.memmap)  # read from the cache, not decoded
         assert_same(reference, filling)
         assert_same(reference, outputs(from_cache))
@@ -206,13 +206,13 @@ def test_a_cached_run_is_bitwise_the_uncached_run(tiny_data, tmp_path):
 
 def _read_all(root, cache_dir, queue):
     queue.put([(image.sum().item(), label.sum().item()) for image, label in outputs(
-        Cityscapes(root, "train", (24, 24), cache_dir=cache_dir), epochs=(0,))])
+        Cityscapes(root, "train", crop_size=(24, 24), cache_dir=cache_dir), epochs=(0,))])
 
 
 def test_many_processes_and_threads_filling_one_empty_cache_agree(tiny_data, tmp_path):
     cache_dir = str(tmp_path / "cache")
     expected = [(image.sum().item(), label.sum().item()) for image, label in outputs(
-        Cityscapes(tiny_data, "train", (24, 24)), epochs=(0,))]
+        Cityscapes(tiny_data, "train", crop_size=(24, 24)), epochs=(0,))]
     context = multiprocessing.get_context("fork")
     queue = context.Queue()
     processes = [context.Process(target=_read_all, args=(tiny_data, cache_dir, queue)) for _ in range(4)]
@@ -258,15 +258,15 @@ def test_a_changed_source_is_decoded_again_not_served_stale(tiny_data, tmp_path)
 @pytest.mark.parametrize("damage", ["truncated", "header overwritten"])
 def test_a_damaged_cache_file_is_rebuilt_not_trusted(tiny_data, tmp_path, damage):
     cache_dir = str(tmp_path / "cache")
-    reference = outputs(Cityscapes(tiny_data, "val", (16, 16)))
-    outputs(Cityscapes(tiny_data, "val", (16, 16), cache_dir=cache_dir))
+    reference = outputs(Cityscapes(tiny_data, "val", crop_size=(16, 16)))
+    outputs(Cityscapes(tiny_data, "val", crop_size=(16, 16), cache_dir=cache_dir))
     for path in glob.glob(os.path.join(cache_dir, "*.npy")):
         with open(path, "r+b") as f:
             if damage == "truncated":
                 f.truncate(os.path.getsize(path) - 7)
             else:
                 f.write(b"garbage")
-    assert_same(reference, outputs(Cityscapes(tiny_data, "val", (16, 16), cache_dir=cache_dir)))
+    assert_same(reference, outputs(Cityscapes(tiny_data, "val", crop_size=(16, 16), cache_dir=cache_dir)))
     data = Cityscapes(tiny_data, "val", cache_dir=cache_dir)
     assert all(isinstance(array, np.memmap) for array in data.frame(0))  # whole again
 
@@ -275,5 +275,5 @@ def test_prepare_cache_fills_the_cache_that_training_reads(tiny_data, tmp_path):
     cache_dir = str(tmp_path / "cache")
     dataset.prepare_cache(tiny_data, cache_dir, ["train", "val"], workers=2)
     assert len(glob.glob(os.path.join(cache_dir, "*.npy"))) == 2 * (8 + 5)
-    data = Cityscapes(tiny_data, "train", (24, 24), cache_dir=cache_dir)
+    data = Cityscapes(tiny_data, "train", crop_size=(24, 24), cache_dir=cache_dir)
     assert all(isinstance(array, np.memmap) for index in range(len(data)) for array in data.frame(index))

@@ -123,7 +123,7 @@ def test_eval_shards_count_every_image_exactly_once():
 def _evaluate(rank, world_size, tmp, data):
     val_set = Cityscapes(data, "val")
     loader = DataLoader(Subset(val_set, main.eval_shard(len(val_set), rank, world_size)), batch_size=1)
-    confusion, _ = main.evaluate(_tiny_model(seed=5), loader, torch.device("cpu"))
+    confusion, _ = main.evaluate(_tiny_model(seed=5), loader, torch.device("cpu"), NUM_CLASSES)
     if rank == 0:
         torch.save(confusion, f"{tmp}/confusion_{world_size}.pt")
 

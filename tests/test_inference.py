@@ -10,7 +10,7 @@ from torch.utils.data import DataLoader
 from conftest import TRAIN_ARGS, run
 import inference
 import main
-from dataset import Cityscapes
+from dataset import NUM_CLASSES, Cityscapes
 from models import build_model
 
 PY = sys.executable
@@ -42,7 +42,7 @@ def mode_of(argv):
 
 def confusion(model, tiny_data):
     loader = DataLoader(Cityscapes(tiny_data, "val"), batch_size=1)
-    return main.evaluate(model, loader, torch.device("cpu"))[0]
+    return main.evaluate(model, loader, torch.device("cpu"), NUM_CLASSES)[0]
 
 
 @pytest.mark.parametrize("argv", [["--eval-scales", "1.0"], ["--eval-crop", "32", "64"], ["--eval-crop", "100"]],

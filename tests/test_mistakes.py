@@ -109,20 +109,6 @@ def test_choices_that_cannot_work_here(tiny_data, tmp_path, previous_run, capsys
     assert _snapshot(previous_run) == before
 
 
-def _checkpoint_at(tiny_data, out, epochs=1):
-    """A real checkpoint: a tiny run of `epochs` epochs (in-process, one process)."""
-    main.main(main.get_args_parser().parse_args(["--data", tiny_data, "--output-dir", out, "--epochs", str(epochs),
-                                                 *TRAIN_ARGS]))
-    return os.path.join(out, "checkpoint.pth")
-
-
-@pytest.fixture(scope="module")
-def trained(tiny_data, tmp_path_factory):
-    out = str(tmp_path_factory.mktemp("trained"))
-    _checkpoint_at(tiny_data, out)
-    return out
-
-
 def test_a_previous_run_is_never_replaced_without_a_word(tiny_data, previous_run, capsys):
     before = _snapshot(previous_run)
     line = _main_fails(["--data", tiny_data, "--output-dir", previous_run, *TRAIN_ARGS, "--epochs", "1"], capsys)

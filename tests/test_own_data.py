@@ -1,0 +1,215 @@
+"""Your own data: the folder layout (images/, masks/, classes.json) trains, evaluates and predicts with its own
+classes; a Cityscapes model fine-tunes on it; its mistakes end in one line; TensorBoard's curves continue
+across a resume."""
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+import main
+import predict
+import recovery
+from conftest import TRAIN_ARGS
+from dataset import FolderDataset, default_colors, open_dataset
+from models import build_model
+from test_mistakes import _main_fails, _one_error_line
+
+# Cityscapes' categories, typed here independently of dataset.py, with the colour of each one's first class.
+CATEGORIES = ["flat", "construction", "object", "nature", "sky", "human", "vehicle"]
+CATEGORY_COLORS = [(128, 64, 128), (70, 70, 70), (153, 153, 153), (107, 142, 35), (70, 130, 180), (220, 20, 60),
+                   (0, 0, 142)]
+
+
+@pytest.fixture(autouse=True)
+def on_the_cpu(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+
+def test_the_synthetic_folder_set_reads_as_its_files_say(folder_data):
+    with open(os.path.join(folder_data, "classes.json")) as f:
+        assert json.load(f) == {"names": CATEGORIES, "colors": [list(c) for c in CATEGORY_COLORS], "ignore_index": 255}
+    val = open_dataset(folder_data, "val")
+    assert isinstance(val, FolderDataset) and val.classes["names"] == CATEGORIES and len(val) == 5
+    val.check_files(decode_labels=True)
+    for index in range(len(val)):
+        assert val.images[index].endswith(".jpg")
+        with Image.open(val.labels[index]) as mask:
+            assert mask.mode == "P"  # a palette PNG: its indices are the classes, not its colours
+            indices = torch.from_numpy(np.asarray(mask).copy())
+        image, label = val[index]
+        assert image.shape == (3, 32, 64) and image.dtype == torch.uint8
+        assert torch.equal(label, indices)  # 0-6 and 255 = ignore, as written
+        assert set(label.unique().tolist()) <= set(range(7)) | {255}
+    present = set().union(*(set(val[i][1].unique().tolist()) for i in range(len(val))))
+    assert {0, 1, 4, 6, 255} <= present  # flat, construction, sky, vehicle and the ignored bonnet
+    train = open_dataset(folder_data, "train", crop_size=(32, 32))
+    image, label = train[0]
+    assert image.shape == (3, 32, 32) and label.shape == (32, 32)
+
+
+def test_a_hand_made_folder_set_with_sub_folders_and_greyscale_masks(tmp_path):
+    root = tmp_path / "mine"
+    for split, name, values in (("train", "a/x", [0, 1, 100]), ("val", "y", [1, 1, 0])):
+        (root / "images" / split / os.path.dirname(name)).mkdir(parents=True, exist_ok=True)
+        (root / "masks" / split / os.path.dirname(name)).mkdir(parents=True, exist_ok=True)
+        Image.fromarray(np.full((4, 6, 3), 128, np.uint8)).save(root / "images" / split / f"{name}.png")
+        Image.fromarray(np.array([values] * 4, np.uint8).repeat(2, 1)).save(root / "masks" / split / f"{name}.png")
+    (root / "classes.json").write_text(json.dumps({"names": ["background", "cat"], "ignore_index": 100}))
+    train = open_dataset(str(root), "train")
+    assert train.image_id(0) == os.path.join("a", "x") and train.classes["colors"] == default_colors(2)
+    assert train[0][1][0].tolist() == [0, 0, 1, 1, 255, 255]  # ignore_index 100 -> 255, the trainer's ignore
+    assert default_colors(2) == [[128, 0, 0], [0, 128, 0]]  # PASCAL VOC's palette from its second entry
+
+
+def _break(root, how):
+    """Make one mistake a user makes in a folder data set."""
+    val_masks, val_images = os.path.join(root, "masks", "val"), os.path.join(root, "images", "val")
+    classes = os.path.join(root, "classes.json")
+    if how == "image without mask":
+        os.remove(os.path.join(val_masks, "street_0002.png"))
+    elif how == "mask without image":
+        os.remove(os.path.join(val_images, "street_0002.jpg"))
+    elif how == "mask of another size":
+        Image.new("L", (32, 32), 0).save(os.path.join(val_masks, "street_0002.png"))
+    elif how == "class index outside classes.json":
+        Image.new("L", (64, 32), 9).save(os.path.join(val_masks, "street_0002.png"))
+    elif how == "an RGB mask":
+        Image.new("RGB", (64, 32), (1, 1, 1)).save(os.path.join(val_masks, "street_0002.png"))
+    elif how == "empty split":
+        shutil.rmtree(val_images)
+        os.makedirs(val_images)
+    elif how == "two images, one mask":
+        shutil.copy(os.path.join(val_images, "street_0002.jpg"), os.path.join(val_images, "street_0002.png"))
+    elif how == "no classes.json":
+        os.remove(classes)
+    else:  # a classes.json of these contents
+        with open(classes, "w") as f:
+            f.write(how)
+
+
+@pytest.mark.parametrize("how, expect", [
+    ("image without mask", "1 val image(s) have no mask, e.g. {root}/masks/val/street_0002.png is missing"),
+    ("mask without image", "1 val mask(s) have no image, e.g. {root}/masks/val/street_0002.png"),
+    ("mask of another size", "{root}/masks/val/street_0002.png is 32x32 but its image is 64x32"),
+    ("class index outside classes.json", "{root}/masks/val/street_0002.png holds the class index 9, but "
+                                         "{root}/classes.json names 7 classes (0-6)"),
+    ("an RGB mask", "{root}/masks/val/street_0002.png is not a mask of class indices"),
+    ("empty split", "{root}/images/val holds no images"),
+    ("two images, one mask", "street_0002.jpg and street_0002.png would share one mask"),
+    ("no classes.json", "{root}/classes.json not found"),
+    ('{"names": ["a", "b"', "{root}/classes.json cannot be read as JSON"),
+    ('{"names": ["road"]}', '"names" must list at least 2 different class names'),
+    ('{"names": ["a", "a"]}', '"names" must list at least 2 different class names'),
+    ('{"names": ["a", "b"], "ignore_index": 1}', '"ignore_index" 1 must be a whole number from 2 to 255'),
+    ('{"names": ["a", "b"], "colors": [[0, 0, 0]]}', '"colors" must hold one [r, g, b] of 0-255 for each of the 2'),
+    ('{"names": ["a", "b"], "colours": []}', "holds ['colours'], not only names, colors and ignore_index"),
+])
+def test_mistakes_in_your_own_data_end_in_one_line(folder_data, tmp_path, how, expect, capsys):
+    root = str(tmp_path / "data")
+    shutil.copytree(folder_data, root)
+    _break(root, how)
+    line = _main_fails(["--data", root, "--output-dir", str(tmp_path / "out"), *TRAIN_ARGS, "--check-only", "2"],
+                       capsys)
+    assert expect.format(root=root) in line, line
+
+
+def test_weights_start_every_layer_but_a_classifier_for_other_classes(trained, folder_data, capsys):
+    """--weights: the backbone and head of a Cityscapes model, and a fresh classifier for 7 classes."""
+    saved = torch.load(os.path.join(trained, "best.pth"), weights_only=True)["model"]
+    torch.manual_seed(0)
+    model = build_model(TRAIN_ARGS[1], 7)
+    fresh = {k: v.clone() for k, v in model.state_dict().items()}
+    recovery.load_weights(model, os.path.join(trained, "best.pth"), TRAIN_ARGS[1], {"names": CATEGORIES})
+    assert "its classifier, trained for 19 classes (road, sidewalk, building, ...), does not fit the 7 classes of " \
+           "--data and starts afresh" in capsys.readouterr().out
+    for key, value in model.state_dict().items():
+        expected = fresh[key] if key.startswith("classifier.") else saved[key]
+        assert torch.equal(value, expected), key
+
+
+def _events(folder):
+    events = EventAccumulator(os.path.join(folder, "tensorboard"), size_guidance={"scalars": 0, "images": 0})
+    events.Reload()
+    return events
+
+
+def test_own_data_fine_tuned_evaluated_predicted_and_its_curves_continue(trained, folder_data, tmp_path, capsys):
+    out, preds = str(tmp_path / "out"), str(tmp_path / "preds")
+    train = ["--data", folder_data, "--output-dir", out, *TRAIN_ARGS, "--epochs", "2", "--tensorboard",
+             "--weights", os.path.join(trained, "best.pth")]
+    main.main(main.get_args_parser().parse_args(train))
+    assert "does not fit the 7 classes of --data and starts afresh" in capsys.readouterr().out
+    checkpoint = torch.load(os.path.join(out, "checkpoint.pth"), weights_only=True)
+    assert checkpoint["classes"]["names"] == CATEGORIES and checkpoint["model"]["classifier.weight"].shape[0] == 7
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        records = [json.loads(line) for line in f]
+    assert [r["iteration"] for r in records] == [4, 8] and list(records[0]["iou"]) == CATEGORIES
+
+    # TensorBoard: the step curves and the epochs' points. Then a stop after epoch 2's points were written but
+    # before its checkpoint (checkpoint.pth back to the one before), and the resumed run: every point once.
+    events = _events(out)
+    assert [e.step for e in events.Scalars("train/loss")] == [1, 2, 3, 4, 5, 6, 7, 8]
+    assert [e.step for e in events.Scalars("val/mIoU")] == [4, 8]
+    assert {f"val_IoU/{name}" for name in ("flat", "sky", "vehicle")} <= set(events.Tags()["scalars"])
+    assert events.Images("val/image_truth_prediction")[-1].width == 3 * 64
+    before = [e.value for e in events.Scalars("val/mIoU")]
+    shutil.copy(os.path.join(out, "checkpoint.prev.pth"), os.path.join(out, "checkpoint.pth"))
+    main.main(main.get_args_parser().parse_args([*train, "--resume", "auto"]))
+    events = _events(out)
+    assert [e.step for e in events.Scalars("train/loss")] == [1, 2, 3, 4, 5, 6, 7, 8]
+    assert [e.step for e in events.Scalars("val/mIoU")] == [4, 8]
+    assert [e.value for e in events.Scalars("val/mIoU")] == pytest.approx(before)  # resumed bitwise on the CPU
+
+    # -e: the classes' names in the table and eval.json, predictions written as the data set's own masks.
+    capsys.readouterr()
+    main.main(main.get_args_parser().parse_args(["--data", folder_data, "--output-dir", out, *TRAIN_ARGS, "-e",
+                                                 "--resume", os.path.join(out, "best.pth"), "--save-predictions",
+                                                 preds]))
+    assert "  vehicle" in capsys.readouterr().out
+    with open(os.path.join(out, "eval.json")) as f:
+        assert list(json.load(f)["iou"]) == CATEGORIES
+    assert sorted(os.listdir(preds)) == [f"street_{i:04d}.png" for i in range(5)]
+    with Image.open(os.path.join(preds, "street_0000.png")) as mask:
+        assert mask.mode == "P" and mask.size == (64, 32) and int(np.asarray(mask).max()) < 7
+
+    # A model of other classes on this data: one line, which says how to fine-tune instead.
+    line = _main_fails(["--data", folder_data, "--output-dir", out, *TRAIN_ARGS, "-e", "--resume",
+                        os.path.join(trained, "best.pth")], capsys)
+    assert "was trained for 19 classes" in line and "--data has 7 others" in line and "--weights" in line, line
+
+    # predict.py: the classes' colours come from the checkpoint; labelIds are Cityscapes' alone.
+    predict.main(predict.get_args_parser().parse_args(["--resume", os.path.join(out, "best.pth"), "-j", "0",
+                                                       os.path.join(folder_data, "images", "val"),
+                                                       "--output-dir", str(tmp_path / "p"), "--what", "color"]))
+    with Image.open(tmp_path / "p" / "color" / "street_0000.jpg.png") as picture:
+        colors = {tuple(c) for c in np.asarray(picture).reshape(-1, 3).tolist()}
+    assert colors <= set(CATEGORY_COLORS), colors
+    with pytest.raises(SystemExit):
+        predict.main(predict.get_args_parser().parse_args(["--resume", os.path.join(out, "best.pth"), folder_data,
+                                                           "--format", "labelid"]))
+    assert "this model's classes are not Cityscapes'" in _one_error_line(capsys, "predict.py: error: ")
+
+
+def test_tensorboard_missing_stops_before_any_work(tiny_data, tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(__import__("sys").modules, "torch.utils.tensorboard", None)  # as if not installed
+    line = _main_fails(["--data", tiny_data, "--output-dir", str(tmp_path / "out"), *TRAIN_ARGS, "--tensorboard"],
+                       capsys)
+    assert line == "main.py: error: --tensorboard needs TensorBoard, which is not installed: pip install tensorboard"
+    assert not os.path.exists(tmp_path / "out")
+
+
+@pytest.mark.parametrize("extra, expect", [
+    (["-e", "--resume", "x.pth", "--weights", "y.pth"], "--weights starts a new training run from a trained model, "
+                                                         "but -e evaluates --resume's model: give one of the two"),
+    (["--resume", "x.pth", "--weights", "y.pth"], "but --resume continues a run: give one of the two"),
+    (["--weights", "nothing.pth"], "--weights nothing.pth: no such file"),
+    (["-e", "--resume", "x.pth", "--tensorboard"], "--tensorboard draws training's curves; -e writes eval.json"),
+])
+def test_weights_and_tensorboard_flags_that_cannot_work(tiny_data, tmp_path, extra, expect, capsys):
+    line = _main_fails(["--data", tiny_data, "--output-dir", str(tmp_path / "out"), *TRAIN_ARGS, *extra], capsys)
+    assert expect in line, line
