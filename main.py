@@ -13,10 +13,12 @@ Evaluate a checkpoint, and write predictions for the official Cityscapes evaluat
     torchrun --standalone --nproc_per_node=2 main.py -e --resume output/best.pth --save-predictions preds/
 
 Stopped (SIGTERM, Ctrl-C, a crash)? The same command with --resume auto carries on where it stopped.
+Your own data: --data DIR with images/, masks/ and classes.json; --weights best.pth to fine-tune (README.md).
 
 The output folder (--output-dir) holds checkpoint.pth (latest) and checkpoint.prev.pth (the one before),
-best.pth, metrics.jsonl (one line per epoch), eval.json (after -e) and vis/*.png (image | ground truth |
-prediction). Surviving faults (signals, a lost peer, checkpoints, one-line errors) lives in recovery.py.
+best.pth, metrics.jsonl (one line per epoch), eval.json (after -e), vis/*.png (image | ground truth |
+prediction) and, with --tensorboard, tensorboard/. Surviving faults (signals, a lost peer, checkpoints,
+one-line errors) lives in recovery.py.
 """
 import argparse
 import contextlib
@@ -328,6 +330,19 @@ def load_datasets(args, crop_size, world_size):
     return train_set, val_set
 
 
+def make_model(args, classes):
+    """The model for these classes: its backbone from --pretrained-backbone, or every layer (but a classifier
+    for other classes) from --weights, a trained model to fine-tune. --resume, when there is one, wins later."""
+    try:
+        model = build_model(args.model, len(classes["names"]), args.output_stride,
+                            "none" if args.weights else args.pretrained_backbone)
+    except (ValueError, FileNotFoundError, RuntimeError) as error:
+        fail(error)
+    if args.weights:
+        recovery.load_weights(model, args.weights, args.model, classes)
+    return model
+
+
 def make_optimizer(model, args):
     """SGD with the recipe's two learning rates: the pretrained backbone moves at --backbone-lr times the
     head's (each group's lr_mult, applied by adjust_learning_rate)."""
@@ -427,13 +442,7 @@ def main(args):
     # (DDP would also broadcast rank 0's when it wraps the model).
     torch.manual_seed(args.seed)
     classes = train_set.classes  # {"names", "colors"}: Cityscapes' 19, or those of your classes.json
-    try:  # with --weights, every layer but perhaps the classifier comes from there: no ImageNet backbone
-        model = build_model(args.model, len(classes["names"]), args.output_stride,
-                            "none" if args.weights else args.pretrained_backbone)
-    except (ValueError, FileNotFoundError, RuntimeError) as error:
-        fail(error)
-    if args.weights:
-        recovery.load_weights(model, args.weights, args.model, classes)  # fine-tuning (--resume, if any, wins)
+    model = make_model(args, classes)
     # Precision and memory layout, resolved once. channels_last (NHWC): faster convolutions on GPUs.
     amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.amp)
     autocast = functools.partial(torch.autocast, device.type, dtype=amp_dtype, enabled=amp_dtype is not None)
@@ -487,10 +496,9 @@ def main(args):
     if is_main_process() and not args.evaluate and position["epoch"] < args.epochs:
         recovery.trim_metrics(os.path.join(args.output_dir, "metrics.jsonl"), position["epoch"])
     recovery.install_signal_handlers()
-    writer = None
+    writer = None  # --tensorboard, on rank 0. purge_step: TensorBoard drops what a stopped run drew after this
     if args.tensorboard and is_main_process():
-        from torch.utils.tensorboard import SummaryWriter  # optional: check_args made sure it is installed
-        # purge_step: TensorBoard drops what a stopped run logged after the point this run resumes from.
+        from torch.utils.tensorboard import SummaryWriter  # optional: check_args found it installed
         writer = SummaryWriter(os.path.join(args.output_dir, "tensorboard"),
                                purge_step=position["epoch"] * steps_per_epoch + position["step"] + 1)
 

@@ -5,6 +5,7 @@
 #   ./run.sh --epochs 10 --lr 0.02                     # arguments after run.sh go to main.py (and win)
 #   NPROC=4 ./run.sh                                   # on a CPU: 4 gloo processes (default 2)
 #   DATA=/datasets/cityscapes OUTPUT_DIR=runs/r101 ./run.sh
+#   DATA=data/my_data OUTPUT_DIR=runs/mine ./run.sh    # your own data: images/, masks/, classes.json
 #   NNODES=2 NODE_RANK=0 MASTER_ADDR=10.0.0.1 MASTER_PORT=29500 ./run.sh   # on node 0; NODE_RANK=1 on node 1
 #   MAX_RESTARTS=3 ./run.sh                            # torchrun restarts failed workers; they resume
 #
@@ -46,7 +47,8 @@ else
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$THREADS}
 fi
 
-if compgen -G "$DATA/leftImg8bit/train/*/*_leftImg8bit.png" >/dev/null; then
+# Real data: Cityscapes, or your own (a classes.json beside images/ and masks/, README.md "Your own data").
+if compgen -G "$DATA/leftImg8bit/train/*/*_leftImg8bit.png" >/dev/null || [ -f "$DATA/classes.json" ]; then
   # main.py's defaults are the recipe (VainF/DeepLabV3Plus-Pytorch's: DeepLabV3+ ResNet-101, output stride 16,
   # crop 768, global batch 16, lr 0.1 with the backbone at 0.01, 30k iterations, ImageNet backbone).
   # run.sh keeps the global batch at 16 whatever the number of processes.

@@ -120,6 +120,7 @@ def test_mistakes_in_your_own_data_end_in_one_line(folder_data, tmp_path, how, e
 
 def test_weights_start_every_layer_but_a_classifier_for_other_classes(trained, folder_data, capsys):
     """--weights: the backbone and head of a Cityscapes model, and a fresh classifier for 7 classes."""
+    recovery.set_quiet(False)  # as main.py sets it (an earlier --check-only test in this process left it quiet)
     saved = torch.load(os.path.join(trained, "best.pth"), weights_only=True)["model"]
     torch.manual_seed(0)
     model = build_model(TRAIN_ARGS[1], 7)
