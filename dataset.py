@@ -32,7 +32,7 @@ import sys
 import numpy as np
 import torch
 import torchvision
-from PIL import Image, ImageDraw
+from PIL import Image, ImageDraw, ImageOps
 from torchvision import tv_tensors
 from torchvision.transforms.v2 import functional as F
 
@@ -158,6 +158,7 @@ def read_image(path):
         if _torchcodec_decode is not None:
             return _torchcodec_decode(path, mode="RGB").permute(1, 2, 0).numpy()
         with Image.open(path) as f:
+            f = ImageOps.exif_transpose(f)  # a phone's JPEG turned as a viewer shows it, as torchcodec does
             return np.asarray(f if f.mode == "RGB" else f.convert("RGB"))
     except Exception as error:
         raise BadInput(f"{path} cannot be decoded ({str(error).splitlines()[0][:200]}); replace it, or remove "
@@ -171,6 +172,9 @@ def decode_label(path):
     try:
         with open(path, "rb") as f:
             header = f.read(26)  # signature, IHDR: width, height, bit depth (byte 24), colour type (byte 25)
+        if header[:8] == _PNG_SIGNATURE and header[25] == 0 and header[24] < 8:
+            raise ValueError(f"a {header[24]}-bit greyscale PNG, whose values PIL would scale to 0-255; save it as "
+                             "8-bit")
         if _torchcodec_decode is not None and header[:8] == _PNG_SIGNATURE and header[24:26] == b"\x08\x00":
             return _torchcodec_decode(path, mode="UNCHANGED")[0].numpy()
         with Image.open(path) as f:
@@ -193,23 +197,24 @@ def read_label(path):
 # ---------------------------------------------------------------------------------------------------
 # The decode cache: each frame decoded once, kept as an uncompressed .npy, read through a memory map.
 
-def cache_path(cache_dir, source):
+def cache_path(cache_dir, source, checked=""):
     """The cache file of a source file. Its name holds a hash of the source's path and one of its size and
-    modification time: a source that changes gets a new name, so a stale entry is never read."""
+    modification time: a source that changes gets a new name, so a stale entry is never read. checked: what
+    the entry was checked against when it was decoded (a mask's classes), also part of the name."""
     stat = os.stat(source)
     where = hashlib.sha1(os.path.abspath(source).encode()).hexdigest()[:10]
-    version = hashlib.sha1(f"{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:10]
+    version = hashlib.sha1(f"{stat.st_size}:{stat.st_mtime_ns}{checked}".encode()).hexdigest()[:10]
     stem = os.path.splitext(os.path.basename(source))[0]
     return os.path.join(cache_dir, f"{stem}.{where}.{version}.npy")
 
 
-def cached(cache_dir, source, read):
+def cached(cache_dir, source, read, checked=""):
     """read(source) as an array, from the cache when it holds a sound copy (a memory map: nothing is read
     until sliced), else decoded and written there. Safe with many processes at once: each writes a file
     of its own name and renames it into place (atomic), so a reader sees no file or a whole one; two that
     miss together both decode and write the same bytes."""
     try:
-        path = cache_path(cache_dir, source)
+        path = cache_path(cache_dir, source, checked)
     except OSError as error:
         raise BadInput(f"{source} cannot be read ({error}); replace it, or remove the image and its label") from None
     try:
@@ -269,6 +274,8 @@ class SegmentationFiles(torch.utils.data.Dataset):
     resolution. With cache_dir, decoded frames are kept there (see cached()), and the output is the same.
     """
     classes, label_table = None, None
+    checks_every_label = False  # check_files decodes every label, train's too
+    label_check = ""  # what read_label checks values against, for the cache's names (cached())
 
     def __init__(self, images, labels, crop_size=None, seed=0, cache_dir=None, scale_range=(0.5, 2.0),
                  color_jitter=0.0):
@@ -304,13 +311,14 @@ class SegmentationFiles(torch.utils.data.Dataset):
         label has its image's size. Catches most bad files before any training time is spent.
         decode_labels: also decode every label and check its values (val's: a few seconds for 500)."""
         for image_path, label_path in zip(self.images, self.labels):
-            if decode_labels:
+            if decode_labels or self.checks_every_label:
                 self.read_label(label_path)
             sizes = []
             for path in (image_path, label_path):
                 try:
                     with Image.open(path) as f:
-                        sizes.append(f.size)
+                        turned = f.format == "JPEG" and f.getexif().get(0x0112, 1) in (5, 6, 7, 8)  # EXIF
+                        sizes.append(f.size[::-1] if turned else f.size)  # as read_image turns it
                 except Exception as error:
                     raise BadInput(f"{path} cannot be read as an image ({error}); replace it, or remove the image "
                                    "and its label") from None
@@ -325,7 +333,7 @@ class SegmentationFiles(torch.utils.data.Dataset):
             image, label_values = read_image(image_path), self.read_label(label_path)
         else:
             image = cached(self.cache_dir, image_path, read_image)
-            label_values = cached(self.cache_dir, label_path, self.read_label)
+            label_values = cached(self.cache_dir, label_path, self.read_label, self.label_check)
         if image.shape[:2] != label_values.shape:
             raise BadInput(f"{label_path} is {label_values.shape[1]}x{label_values.shape[0]} but its image is "
                            f"{image.shape[1]}x{image.shape[0]}; they must match")
@@ -478,11 +486,16 @@ class FolderDataset(SegmentationFiles):
                                            unlabelled; 8-bit greyscale, or a palette PNG (its indices count,
                                            not its colours)
 
-    The classes, their names and colours come from classes.json ("colors" and "ignore_index" optional)."""
+    The classes, their names and colours come from classes.json ("colors" and "ignore_index" optional).
+    Images are read as a viewer shows them (a JPEG's EXIF orientation applied): their masks must match that.
+    Every mask is read whole at start (check_files): a stray value in one of yours, from a resize or an
+    annotation tool, would otherwise stop training part-way. Cityscapes' train labels are only opened."""
+    checks_every_label = True
 
     def __init__(self, root, split="train", **options):
         self.classes, self.ignore_value = read_classes(root)
         self.classes_path = os.path.join(root, "classes.json")
+        self.label_check = f":{self.num_classes}:{self.ignore_value}"  # a cached mask is valid for these alone
         self.label_table = np.full(256, IGNORE_INDEX, dtype=np.uint8)
         self.label_table[:self.num_classes] = np.arange(self.num_classes)
         self.image_root, mask_root = os.path.join(root, "images", split), os.path.join(root, "masks", split)

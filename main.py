@@ -338,7 +338,11 @@ def make_model(args, classes):
                             "none" if args.weights else args.pretrained_backbone)
     except (ValueError, FileNotFoundError, RuntimeError) as error:
         fail(error)
-    if args.weights:
+    resuming = args.resume == "auto" and any(os.path.isfile(os.path.join(args.output_dir, name))
+                                             for name in ("checkpoint.pth", "checkpoint.prev.pth"))
+    if args.weights and resuming:  # a restart, a requeued job: the run's own checkpoint holds newer weights
+        log(f"--weights {args.weights} not read: the run continues from its checkpoint in {args.output_dir}")
+    elif args.weights:
         recovery.load_weights(model, args.weights, args.model, classes)
     return model
 

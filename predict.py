@@ -15,7 +15,8 @@ Output, each prediction at its input's size, one folder per kind, each mirroring
     predictions/color/<path>.png       the classes in their colours
     predictions/overlay/<path>.png     the image with the colours blended in (--alpha)
     predictions/trainIds/<path>.png    the class of each pixel (--format labelid: labelIds/, Cityscapes' ids,
-                                       what cityscapesScripts' evaluation reads)
+                                       what cityscapesScripts' evaluation reads; a model trained on your own
+                                       data: labels/, the indices of its classes.json)
 
 <path> is the input's path below the folder common to all inputs, with its extension kept (a.jpg ->
 a.jpg.png), so two frame.png in different folders, or a.jpg and a.png in one, never collide. A file that
@@ -56,7 +57,7 @@ def get_args_parser():
     parser.add_argument("--output-dir", default="predictions")
     parser.add_argument("--what", nargs="+", choices=KINDS, default=list(KINDS), help="which outputs to write")
     parser.add_argument("--format", choices=("trainid", "labelid"), default="trainid",
-                        help="label maps of trainIds (0-18, the model's classes) or Cityscapes labelIds")
+                        help="label maps of the model's class indices (Cityscapes': trainIds) or Cityscapes' labelIds")
     parser.add_argument("--alpha", type=fraction(high_open=False), default=0.5, help="the colours' weight in the overlay")
     parser.add_argument("-b", "--batch-size", type=at_least(1), default=4, help="images of one size per forward")
     parser.add_argument("-j", "--workers", type=at_least(0), default=None,
@@ -166,8 +167,8 @@ class ImageFiles(Dataset):
             return index, None, (str(error).splitlines() or [type(error).__name__])[0][:200]
 
 
-def output_paths(output_dir, name, what, label_format):
-    folders = {"color": "color", "overlay": "overlay", "label": "labelIds" if label_format == "labelid" else "trainIds"}
+def output_paths(output_dir, name, what, label_folder):
+    folders = {"color": "color", "overlay": "overlay", "label": label_folder}
     return {kind: os.path.join(output_dir, folders[kind], name + ".png") for kind in what}
 
 
@@ -218,13 +219,16 @@ def main(args):
     if args.amp == "fp16" and not torch.cuda.is_available():
         fail("--amp fp16 needs CUDA; on the CPU use --amp bf16 or no --amp")
     model, classes = load_model(args.resume)
-    if args.format == "labelid" and list(classes["names"]) != list(CLASS_NAMES):
+    cityscapes = list(classes["names"]) == list(CLASS_NAMES)
+    if args.format == "labelid" and not cityscapes:
         fail("--format labelid writes Cityscapes' labelIds, but this model's classes are not Cityscapes': use "
              "--format trainid")
+    # The label maps' folder: Cityscapes' labelIds or trainIds, or the class indices of another model's classes.
+    label_folder = "labelIds" if args.format == "labelid" else "trainIds" if cityscapes else "labels"
     images = find_images(args.inputs, args.output_dir)
     inputs = {os.path.realpath(path) for path, _ in images}
     for _, name in images:
-        for path in output_paths(args.output_dir, name, args.what, args.format).values():
+        for path in output_paths(args.output_dir, name, args.what, label_folder).values():
             if os.path.realpath(path) in inputs:
                 fail(f"{path} is an input and would be overwritten: choose another --output-dir")
 
@@ -273,7 +277,7 @@ def main(args):
         with autocast():
             predictions = inference.predict(model, normalize(stacked), mode).argmax(1).to(torch.uint8).cpu()
         for (index, image), prediction in zip(batch, predictions):
-            paths = output_paths(args.output_dir, shard[index][1], args.what, args.format)
+            paths = output_paths(args.output_dir, shard[index][1], args.what, label_folder)
             writes.append(writer.submit(write_outputs, prediction, image, paths, palette, args))
         while len(writes) > 4 * args.batch_size:  # the writer may lag; do not let images pile up in memory
             written(writes.pop(0))

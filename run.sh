@@ -47,8 +47,10 @@ else
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$THREADS}
 fi
 
-# Real data: Cityscapes, or your own (a classes.json beside images/ and masks/, README.md "Your own data").
-if compgen -G "$DATA/leftImg8bit/train/*/*_leftImg8bit.png" >/dev/null || [ -f "$DATA/classes.json" ]; then
+# Real data: Cityscapes, or your own (images/, masks/ and classes.json, README.md "Your own data"; main.py
+# names what is missing there).
+if compgen -G "$DATA/leftImg8bit/train/*/*_leftImg8bit.png" >/dev/null || [ -f "$DATA/classes.json" ] \
+    || [ -d "$DATA/images" ]; then
   # main.py's defaults are the recipe (VainF/DeepLabV3Plus-Pytorch's: DeepLabV3+ ResNet-101, output stride 16,
   # crop 768, global batch 16, lr 0.1 with the backbone at 0.01, 30k iterations, ImageNet backbone).
   # run.sh keeps the global batch at 16 whatever the number of processes.

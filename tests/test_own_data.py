@@ -4,17 +4,18 @@ across a resume."""
 import json
 import os
 import shutil
+import subprocess
 
 import numpy as np
 import pytest
 import torch
 from PIL import Image
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import main
 import predict
 import recovery
-from conftest import TRAIN_ARGS
+import dataset
+from conftest import ROOT, TRAIN_ARGS
 from dataset import FolderDataset, default_colors, open_dataset
 from models import build_model
 from test_mistakes import _main_fails, _one_error_line
@@ -78,6 +79,12 @@ def _break(root, how):
         Image.new("L", (32, 32), 0).save(os.path.join(val_masks, "street_0002.png"))
     elif how == "class index outside classes.json":
         Image.new("L", (64, 32), 9).save(os.path.join(val_masks, "street_0002.png"))
+    elif how == "class index outside classes.json, in a train mask":
+        mask = np.zeros((32, 64), np.uint8)
+        mask[5, 7] = 40  # one stray value, as a resize with interpolation leaves
+        Image.fromarray(mask).save(os.path.join(root, "masks", "train", "street_0005.png"))
+    elif how == "a 4-bit greyscale mask":
+        Image.new("L", (64, 32), 1).save(os.path.join(val_masks, "street_0002.png"), bits=4)
     elif how == "an RGB mask":
         Image.new("RGB", (64, 32), (1, 1, 1)).save(os.path.join(val_masks, "street_0002.png"))
     elif how == "empty split":
@@ -98,7 +105,11 @@ def _break(root, how):
     ("mask of another size", "{root}/masks/val/street_0002.png is 32x32 but its image is 64x32"),
     ("class index outside classes.json", "{root}/masks/val/street_0002.png holds the class index 9, but "
                                          "{root}/classes.json names 7 classes (0-6)"),
+    ("class index outside classes.json, in a train mask", "{root}/masks/train/street_0005.png holds the class "
+                                                          "index 40"),
     ("an RGB mask", "{root}/masks/val/street_0002.png is not a mask of class indices"),
+    ("a 4-bit greyscale mask", "{root}/masks/val/street_0002.png cannot be decoded (a 4-bit greyscale PNG, whose "
+                               "values PIL would scale to 0-255; save it as 8-bit)"),
     ("empty split", "{root}/images/val holds no images"),
     ("two images, one mask", "street_0002.jpg and street_0002.png would share one mask"),
     ("no classes.json", "{root}/classes.json not found"),
@@ -118,6 +129,69 @@ def test_mistakes_in_your_own_data_end_in_one_line(folder_data, tmp_path, how, e
     assert expect.format(root=root) in line, line
 
 
+@pytest.mark.parametrize("decoder", ["torchcodec", "PIL"])
+def test_a_phone_photo_is_read_turned_as_its_mask_was_drawn(tmp_path, monkeypatch, decoder):
+    """A JPEG stored 40x20 with EXIF orientation 6 is seen 20 wide and 40 high; its mask is drawn on what is seen."""
+    if decoder == "PIL":
+        monkeypatch.setattr(dataset, "_torchcodec_decode", None)
+    root = tmp_path / "phone"
+    for split in ("train", "val"):
+        (root / "images" / split).mkdir(parents=True)
+        (root / "masks" / split).mkdir(parents=True)
+        stored = np.zeros((20, 40, 3), np.uint8)
+        stored[:, :20] = 255  # the stored left half: turned a quarter clockwise, the top half as seen
+        exif = Image.Exif()
+        exif[0x0112] = 6
+        Image.fromarray(stored).save(root / "images" / split / "phone.jpg", exif=exif, quality=95)
+        mask = np.zeros((40, 20), np.uint8)
+        mask[:20] = 1  # drawn on the picture as seen: the top half is class 1
+        Image.fromarray(mask).save(root / "masks" / split / "phone.png")
+    (root / "classes.json").write_text(json.dumps({"names": ["dark", "bright"]}))
+    val = open_dataset(str(root), "val")
+    val.check_files()  # sizes compared as seen: no "is 20x40 but its image is 40x20"
+    image, label = val[0]
+    assert image.shape == (3, 40, 20)
+    bright = image.float().mean(0) > 128
+    assert (bright == (label == 1)).float().mean() > 0.95  # JPEG's blur at the edge aside
+
+
+def test_a_cached_mask_is_checked_again_when_the_classes_change(folder_data, tmp_path):
+    root, cache = str(tmp_path / "data"), str(tmp_path / "cache")
+    shutil.copytree(folder_data, root)
+    val = open_dataset(root, "val", cache_dir=cache)
+    assert all(val[i][1].max() <= 6 or val[i][1].max() == 255 for i in range(len(val)))  # cached now
+    with open(os.path.join(root, "classes.json"), "w") as f:
+        json.dump({"names": CATEGORIES[:4]}, f)  # sky, human and vehicle no longer named
+    fewer = open_dataset(root, "val", cache_dir=cache)
+    with pytest.raises(dataset.BadInput, match="holds the class index [4-6], but .* names 4 classes"):
+        [fewer[i] for i in range(len(fewer))]  # not silently ignored: the cached masks are read again
+
+
+def test_a_checkpoint_from_before_classes_were_saved_is_cityscapes(trained, tiny_data, folder_data, tmp_path, capsys):
+    old = str(tmp_path / "old.pth")
+    checkpoint = torch.load(os.path.join(trained, "best.pth"), weights_only=True)
+    del checkpoint["classes"]
+    torch.save(checkpoint, old)
+    main.main(main.get_args_parser().parse_args(["--data", tiny_data, "--output-dir", str(tmp_path / "e"), "-e",
+                                                 "--resume", old, *TRAIN_ARGS]))
+    assert "  road" in capsys.readouterr().out
+    line = _main_fails(["--data", folder_data, "--output-dir", str(tmp_path / "e"), "-e", "--resume", old,
+                        *TRAIN_ARGS], capsys)
+    assert "was trained for 19 classes (road, sidewalk, building, ...)" in line, line
+
+
+def test_run_sh_names_what_a_folder_data_set_lacks(folder_data, tmp_path):
+    data = str(tmp_path / "data")
+    shutil.copytree(folder_data, data)
+    os.remove(os.path.join(data, "classes.json"))
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "DATA": data, "OUTPUT_DIR": str(tmp_path / "out")}
+    result = subprocess.run(["./run.sh"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    output = result.stdout + result.stderr
+    assert result.returncode == 1 and "synthetic" not in output, output  # not quietly the demo instead
+    assert output.strip().endswith(f"main.py: error: {data}/classes.json not found: a data set in images/ and "
+                                   "masks/ names its classes there, as " + dataset._CLASSES_EXAMPLE), output
+
+
 def test_weights_start_every_layer_but_a_classifier_for_other_classes(trained, folder_data, capsys):
     """--weights: the backbone and head of a Cityscapes model, and a fresh classifier for 7 classes."""
     recovery.set_quiet(False)  # as main.py sets it (an earlier --check-only test in this process left it quiet)
@@ -134,6 +208,8 @@ def test_weights_start_every_layer_but_a_classifier_for_other_classes(trained, f
 
 
 def _events(folder):
+    # Imported here: the other tests run without TensorBoard (requirements-test.txt installs it, so this runs in CI).
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     events = EventAccumulator(os.path.join(folder, "tensorboard"), size_guidance={"scalars": 0, "images": 0})
     events.Reload()
     return events
@@ -161,6 +237,8 @@ def test_own_data_fine_tuned_evaluated_predicted_and_its_curves_continue(trained
     before = [e.value for e in events.Scalars("val/mIoU")]
     shutil.copy(os.path.join(out, "checkpoint.prev.pth"), os.path.join(out, "checkpoint.pth"))
     main.main(main.get_args_parser().parse_args([*train, "--resume", "auto"]))
+    assert f"--weights {os.path.join(trained, 'best.pth')} not read: the run continues from its checkpoint" in \
+        capsys.readouterr().out
     events = _events(out)
     assert [e.step for e in events.Scalars("train/loss")] == [1, 2, 3, 4, 5, 6, 7, 8]
     assert [e.step for e in events.Scalars("val/mIoU")] == [4, 8]
@@ -186,7 +264,10 @@ def test_own_data_fine_tuned_evaluated_predicted_and_its_curves_continue(trained
     # predict.py: the classes' colours come from the checkpoint; labelIds are Cityscapes' alone.
     predict.main(predict.get_args_parser().parse_args(["--resume", os.path.join(out, "best.pth"), "-j", "0",
                                                        os.path.join(folder_data, "images", "val"),
-                                                       "--output-dir", str(tmp_path / "p"), "--what", "color"]))
+                                                       "--output-dir", str(tmp_path / "p"), "--what", "color", "label"]))
+    assert sorted(os.listdir(tmp_path / "p")) == ["color", "labels"]  # not trainIds/: these are not Cityscapes'
+    with Image.open(tmp_path / "p" / "labels" / "street_0000.jpg.png") as indices:
+        assert int(np.asarray(indices).max()) < 7
     with Image.open(tmp_path / "p" / "color" / "street_0000.jpg.png") as picture:
         colors = {tuple(c) for c in np.asarray(picture).reshape(-1, 3).tolist()}
     assert colors <= set(CATEGORY_COLORS), colors
