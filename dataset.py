@@ -309,7 +309,8 @@ class SegmentationFiles(torch.utils.data.Dataset):
     def check_files(self, decode_labels=False):
         """Read every file's header (not its pixels: about 0.1 ms a pair): each opens as an image, and each
         label has its image's size. Catches most bad files before any training time is spent.
-        decode_labels: also decode every label and check its values (val's: a few seconds for 500)."""
+        decode_labels (or checks_every_label): also decode every label and check its values (val's: a few
+        seconds for Cityscapes' 500)."""
         for image_path, label_path in zip(self.images, self.labels):
             if decode_labels or self.checks_every_label:
                 self.read_label(label_path)
@@ -317,7 +318,8 @@ class SegmentationFiles(torch.utils.data.Dataset):
             for path in (image_path, label_path):
                 try:
                     with Image.open(path) as f:
-                        turned = f.format == "JPEG" and f.getexif().get(0x0112, 1) in (5, 6, 7, 8)  # EXIF
+                        has_exif = f.format == "JPEG" or "exif" in f.info  # a PNG's eXIf chunk, if before IDAT
+                        turned = has_exif and f.getexif().get(0x0112, 1) in (5, 6, 7, 8)  # EXIF orientation
                         sizes.append(f.size[::-1] if turned else f.size)  # as read_image turns it
                 except Exception as error:
                     raise BadInput(f"{path} cannot be read as an image ({error}); replace it, or remove the image "
@@ -463,9 +465,13 @@ def read_classes(root):
 
 
 def _files_below(folder, extensions):
-    """Paths below folder (sub-folders included) of files with those extensions, relative to it, sorted."""
-    found = []
-    for parent, subfolders, names in os.walk(folder):
+    """Paths below folder (sub-folders included, linked ones too) of files with those extensions, relative to
+    it, sorted."""
+    found, seen = [], set()
+    for parent, subfolders, names in os.walk(folder, followlinks=True):
+        if os.path.realpath(parent) in seen:
+            raise BadInput(f"{parent} leads back to a folder already listed (a symbolic link loop); fix or remove it")
+        seen.add(os.path.realpath(parent))
         subfolders.sort()
         for name in names:
             path = os.path.join(parent, name)
@@ -487,7 +493,7 @@ class FolderDataset(SegmentationFiles):
                                            not its colours)
 
     The classes, their names and colours come from classes.json ("colors" and "ignore_index" optional).
-    Images are read as a viewer shows them (a JPEG's EXIF orientation applied): their masks must match that.
+    Images are read as a viewer shows them (EXIF orientation applied): their masks must match that.
     Every mask is read whole at start (check_files): a stray value in one of yours, from a resize or an
     annotation tool, would otherwise stop training part-way. Cityscapes' train labels are only opened."""
     checks_every_label = True

@@ -62,7 +62,7 @@ def get_args_parser():
                         help="backbone weights: torchvision's ImageNet ones (downloaded once), a local .pth, or none")
     parser.add_argument("--weights", default=None, metavar="PATH",
                         help="start from a trained model (best.pth), e.g. to fine-tune on your data; a classifier "
-                             "for other classes is started afresh")
+                             "for other classes is started afresh (--pretrained-backbone is then not used)")
     parser.add_argument("--crop-size", type=at_least(1), nargs="+", default=[768], metavar="N",
                         help="training crop: one number (square) or two (height width)")
     parser.add_argument("--scale-range", type=positive(), nargs=2, default=(1.0, 1.0), metavar=("MIN", "MAX"),
@@ -217,9 +217,13 @@ def train_one_epoch(model, optimizer, scaler, loader, device, epoch, first_step,
                 f"(data {window_wait / window_steps:.3f} s) eta {timedelta(seconds=round(eta))} "
                 f"peak mem {peak_memory_gib(device):.2f} GiB")
             window_start, window_images, window_wait = now, 0, 0.0
-            if writer is not None:  # x: the iteration, which a resumed run continues
-                for name, value in (("loss", mean_loss), ("lr", lr), ("images_per_s", images_per_s)):
-                    writer.add_scalar(f"train/{name}", value, epoch * steps_per_epoch + step + 1)
+            try:
+                if writer is not None:  # x: the iteration, which a resumed run continues
+                    for name, value in (("loss", mean_loss), ("lr", lr), ("images_per_s", images_per_s)):
+                        writer.add_scalar(f"train/{name}", value, epoch * steps_per_epoch + step + 1)
+            except OSError as error:  # a full disk: this epoch's checkpoint stops every rank with one line
+                log(f"warning: TensorBoard cannot write ({error}): no curves for the rest of this epoch")
+                writer = None
         if signal_seen:
             stopped = "signal"
             break
@@ -311,8 +315,9 @@ def save_picture(path, sample, colors):
 
 
 def load_datasets(args, crop_size, world_size):
-    """The train and val sets, every file's header read: a missing label or a damaged file is found here,
-    before any training time is spent, the same way on every rank."""
+    """The train and val sets, every file's header read, and every val label decoded (every mask of your own
+    data): a missing label, a damaged file or a bad value is found here, before any training time is spent,
+    the same way on every rank."""
     try:
         train_set = open_dataset(args.data, "train", crop_size=crop_size, seed=args.seed, cache_dir=args.cache_dir,
                                  scale_range=args.scale_range, color_jitter=args.color_jitter)
@@ -503,8 +508,11 @@ def main(args):
     writer = None  # --tensorboard, on rank 0. purge_step: TensorBoard drops what a stopped run drew after this
     if args.tensorboard and is_main_process():
         from torch.utils.tensorboard import SummaryWriter  # optional: check_args found it installed
-        writer = SummaryWriter(os.path.join(args.output_dir, "tensorboard"),
-                               purge_step=position["epoch"] * steps_per_epoch + position["step"] + 1)
+        try:
+            writer = SummaryWriter(os.path.join(args.output_dir, "tensorboard"),
+                                   purge_step=position["epoch"] * steps_per_epoch + position["step"] + 1)
+        except OSError as error:
+            fail(f"cannot write TensorBoard's files in {args.output_dir} ({error})", this_rank=True)
 
     if args.evaluate:
         evaluate_checkpoint(args, model_without_ddp, val_loader, classes, device, autocast, len(val_set),
@@ -577,7 +585,8 @@ def main(args):
             log(f"done: best mIoU {best_miou:.4f}. Checkpoints in {args.output_dir}/ (checkpoint.pth, best.pth), "
                 f"pictures in {args.output_dir}/vis/, metrics in {args.output_dir}/metrics.jsonl")
     if writer is not None:
-        writer.close()
+        with contextlib.suppress(OSError):  # a full disk now: said already by the epoch's failed save
+            writer.close()
     if distributed:
         recovery.stop_heartbeat()
         dist.destroy_process_group()  # without it NCCL warns of leaked resources at exit

@@ -1,6 +1,7 @@
 """Your own data: the folder layout (images/, masks/, classes.json) trains, evaluates and predicts with its own
 classes; a Cityscapes model fine-tunes on it; its mistakes end in one line; TensorBoard's curves continue
 across a resume."""
+import errno
 import json
 import os
 import shutil
@@ -61,10 +62,17 @@ def test_a_hand_made_folder_set_with_sub_folders_and_greyscale_masks(tmp_path):
         Image.fromarray(np.full((4, 6, 3), 128, np.uint8)).save(root / "images" / split / f"{name}.png")
         Image.fromarray(np.array([values] * 4, np.uint8).repeat(2, 1)).save(root / "masks" / split / f"{name}.png")
     (root / "classes.json").write_text(json.dumps({"names": ["background", "cat"], "ignore_index": 100}))
+    for sub in ("images", "masks"):  # a linked folder is followed, as in Cityscapes' layout
+        shutil.copytree(root / sub / "val", tmp_path / f"elsewhere_{sub}")
+        os.symlink(tmp_path / f"elsewhere_{sub}", root / sub / "train" / "linked")
     train = open_dataset(str(root), "train")
-    assert train.image_id(0) == os.path.join("a", "x") and train.classes["colors"] == default_colors(2)
+    assert [train.image_id(i) for i in range(len(train))] == [os.path.join("a", "x"), os.path.join("linked", "y")]
+    assert train.classes["colors"] == default_colors(2)
     assert train[0][1][0].tolist() == [0, 0, 1, 1, 255, 255]  # ignore_index 100 -> 255, the trainer's ignore
     assert default_colors(2) == [[128, 0, 0], [0, 128, 0]]  # PASCAL VOC's palette from its second entry
+    os.symlink(root / "images" / "train", root / "images" / "train" / "a" / "loop")
+    with pytest.raises(dataset.BadInput, match="leads back to a folder already listed"):
+        open_dataset(str(root), "train")
 
 
 def _break(root, how):
@@ -129,8 +137,9 @@ def test_mistakes_in_your_own_data_end_in_one_line(folder_data, tmp_path, how, e
     assert expect.format(root=root) in line, line
 
 
-@pytest.mark.parametrize("decoder", ["torchcodec", "PIL"])
-def test_a_phone_photo_is_read_turned_as_its_mask_was_drawn(tmp_path, monkeypatch, decoder):
+@pytest.mark.parametrize("decoder, suffix", [("torchcodec", "jpg"), ("PIL", "jpg"), ("torchcodec", "png"),
+                                             ("PIL", "png")])
+def test_a_phone_photo_is_read_turned_as_its_mask_was_drawn(tmp_path, monkeypatch, decoder, suffix):
     """A JPEG stored 40x20 with EXIF orientation 6 is seen 20 wide and 40 high; its mask is drawn on what is seen."""
     if decoder == "PIL":
         monkeypatch.setattr(dataset, "_torchcodec_decode", None)
@@ -142,7 +151,7 @@ def test_a_phone_photo_is_read_turned_as_its_mask_was_drawn(tmp_path, monkeypatc
         stored[:, :20] = 255  # the stored left half: turned a quarter clockwise, the top half as seen
         exif = Image.Exif()
         exif[0x0112] = 6
-        Image.fromarray(stored).save(root / "images" / split / "phone.jpg", exif=exif, quality=95)
+        Image.fromarray(stored).save(root / "images" / split / f"phone.{suffix}", exif=exif, quality=95)
         mask = np.zeros((40, 20), np.uint8)
         mask[:20] = 1  # drawn on the picture as seen: the top half is class 1
         Image.fromarray(mask).save(root / "masks" / split / "phone.png")
@@ -275,6 +284,18 @@ def test_own_data_fine_tuned_evaluated_predicted_and_its_curves_continue(trained
         predict.main(predict.get_args_parser().parse_args(["--resume", os.path.join(out, "best.pth"), folder_data,
                                                            "--format", "labelid"]))
     assert "this model's classes are not Cityscapes'" in _one_error_line(capsys, "predict.py: error: ")
+
+
+def test_a_full_disk_under_tensorboard_ends_in_one_line(tiny_data, tmp_path, monkeypatch, capsys):
+    from torch.utils.tensorboard import SummaryWriter
+
+    def no_space(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr(SummaryWriter, "add_scalar", no_space)
+    out = str(tmp_path / "out")
+    line = _main_fails(["--data", tiny_data, "--output-dir", out, *TRAIN_ARGS, "--epochs", "1", "--tensorboard"],
+                       capsys)
+    assert line == f"main.py: error: cannot write in {out} ([Errno 28] No space left on device)", line
 
 
 def test_tensorboard_missing_stops_before_any_work(tiny_data, tmp_path, monkeypatch, capsys):
