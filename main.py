@@ -163,6 +163,20 @@ def adjust_learning_rate(optimizer, base_lr, step, total_steps):
     return lr
 
 
+def draw(writer, iteration, scalars):
+    """TensorBoard's points (writer: rank 0's with --tensorboard, else None). -> the writer, or None once it
+    cannot write: a full disk, which this epoch's checkpoint then stops every rank on, with one line."""
+    if writer is None:
+        return None
+    try:
+        for name, value in scalars.items():
+            writer.add_scalar(name, value, iteration)
+    except OSError as error:
+        log(f"warning: TensorBoard cannot write ({error}): no curves for the rest of this epoch")
+        return None
+    return writer
+
+
 def train_one_epoch(model, optimizer, scaler, loader, device, epoch, first_step, steps_per_epoch, args,
                     autocast=contextlib.nullcontext, memory_format=torch.contiguous_format, writer=None):
     """Train on this rank's shard of one epoch, from step first_step on (a resumed epoch: loader yields
@@ -217,13 +231,8 @@ def train_one_epoch(model, optimizer, scaler, loader, device, epoch, first_step,
                 f"(data {window_wait / window_steps:.3f} s) eta {timedelta(seconds=round(eta))} "
                 f"peak mem {peak_memory_gib(device):.2f} GiB")
             window_start, window_images, window_wait = now, 0, 0.0
-            try:
-                if writer is not None:  # x: the iteration, which a resumed run continues
-                    for name, value in (("loss", mean_loss), ("lr", lr), ("images_per_s", images_per_s)):
-                        writer.add_scalar(f"train/{name}", value, epoch * steps_per_epoch + step + 1)
-            except OSError as error:  # a full disk: this epoch's checkpoint stops every rank with one line
-                log(f"warning: TensorBoard cannot write ({error}): no curves for the rest of this epoch")
-                writer = None
+            writer = draw(writer, epoch * steps_per_epoch + step + 1,  # x: the iteration, continued on resume
+                          {"train/loss": mean_loss, "train/lr": lr, "train/images_per_s": images_per_s})
         if signal_seen:
             stopped = "signal"
             break
