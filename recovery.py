@@ -411,6 +411,12 @@ def classes_of(checkpoint):
     return list(Cityscapes.classes["names"]) if "args" in checkpoint else None
 
 
+def _check_model_name(checkpoint, flag, path, model_name):
+    saved = checkpoint.get("args", {}).get("model")
+    if saved and saved != model_name:
+        fail(f"{flag} {path} holds a {saved} model, but this run builds {model_name}: pass --model {saved}")
+
+
 def _load_fitting(model, weights, flag, path, model_name):
     """Load weights that must fit the model exactly; else one line that says how they differ."""
     own = model.state_dict()
@@ -425,9 +431,7 @@ def _load_fitting(model, weights, flag, path, model_name):
 
 def load_model_state(model, checkpoint, path, model_name, classes):
     """--resume: the model of the run to continue or evaluate, trained for the classes of --data."""
-    saved = checkpoint.get("args", {}).get("model")
-    if saved and saved != model_name:
-        fail(f"--resume {path} holds a {saved} model, but this run builds {model_name}: pass --model {saved}")
+    _check_model_name(checkpoint, "--resume", path, model_name)
     theirs = classes_of(checkpoint)
     if theirs is not None and theirs != list(classes["names"]):
         fail(f"--resume {path} was trained for {len(theirs)} classes ({', '.join(theirs[:3])}, ...), but --data has "
@@ -444,9 +448,7 @@ def load_weights(model, path, model_name, classes):
     checkpoint, problem = read_checkpoint(path)
     if problem:
         fail(f"--weights {path} {problem}")
-    saved = checkpoint.get("args", {}).get("model")
-    if saved and saved != model_name:
-        fail(f"--weights {path} holds a {saved} model, but this run builds {model_name}: pass --model {saved}")
+    _check_model_name(checkpoint, "--weights", path, model_name)
     weights, own = dict(checkpoint["model"]), model.state_dict()
     theirs = classes_of(checkpoint)
     head = [key for key in ("classifier.weight", "classifier.bias") if key in weights and key in own]
