@@ -24,9 +24,12 @@ from torchvision import tv_tensors
 from torchvision.transforms import v2
 
 import dataset
+import images
 
 import main
+import records
 from dataset import NUM_CLASSES
+from synthetic import write_synthetic
 from models import build_model
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -80,11 +83,11 @@ def bench_data(root, cache_dir, crop, seconds):
         return _, torch.from_numpy(dataset.ID_TO_TRAINID.numpy()[label[0].numpy()])
 
     def ours_with_pil(index):  # ours, with PIL as the decoder instead of torchcodec
-        decoder, dataset._torchcodec_decode = dataset._torchcodec_decode, None
+        decoder, images._torchcodec_decode = images._torchcodec_decode, None
         try:
             return ours[index]
         finally:
-            dataset._torchcodec_decode = decoder
+            images._torchcodec_decode = decoder
 
     ways = {"today": lambda i: today_getitem(ours, i), "ours": ours.__getitem__, "ours, PIL decoding": ours_with_pil,
             "ours, cached": cached.__getitem__, "resize-then-crop": resize_then_crop,
@@ -250,7 +253,7 @@ def bench_cpu(quick):
 
         data = os.path.join(tmp, "data")
         size_wh = (256, 128) if quick else (1024, 512)
-        dataset.write_synthetic(data, num_train=16 if quick else 48, num_val=6 if quick else 24, size=size_wh, seed=2)
+        write_synthetic(data, num_train=16 if quick else 48, num_val=6 if quick else 24, size=size_wh, seed=2)
         env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
         out = os.path.join(tmp, "out")
         common = ["--data", data, "--model", MODEL, "--crop-size", "64" if quick else "256", "-b", "2" if quick else "4",
@@ -286,9 +289,9 @@ def data_section(tmp, quick):
     torch.set_num_threads(1)  # a DataLoader worker's share
     root, cache_dir = os.path.join(tmp, "photo"), os.path.join(tmp, "cache")
     size, crop = ((1024, 512), 384) if quick else ((2048, 1024), 768)
-    dataset.write_synthetic(root, num_train=2 if quick else 6, num_val=1, size=size, seed=1, photo=True)
+    write_synthetic(root, num_train=2 if quick else 6, num_val=1, size=size, seed=1, photo=True)
     times, sizes = bench_data(root, cache_dir, crop, 0.3 if quick else 6)
-    decoder = "torchcodec" if dataset._torchcodec_decode is not None else "PIL (torchcodec not installed)"
+    decoder = "torchcodec" if images._torchcodec_decode is not None else "PIL (torchcodec not installed)"
     print(f"3. data, photo-like {size[0]}x{size[1]} PNGs ({os.path.getsize(glob.glob(os.path.join(root, 'leftImg8bit', 'train', '*', '*'))[0]) / 1e6:.1f} MB) "
           f"to a {crop} crop, one worker, one thread, decoder {decoder}; samples/s:")
     print("   " + ", ".join(f"{name} {1 / t:.1f}" for name, t in times.items()))
@@ -313,18 +316,22 @@ def data_section(tmp, quick):
 
 
 # --- one GPU ----------------------------------------------------------------------------------------------------
-def gpu_step_rate(dtype, channels_last, compile_model, batch, crop, steps, warmup):
+def gpu_step_rate(dtype, channels_last, compile_model, batch, crop, steps, warmup, device="cuda",
+                  model_name="deeplabv3plus_resnet101"):
+    """images/s, peak GiB and warm-up seconds of the bare training step (the model alone: random images already
+    on the device). device "cpu": the same measure on the CPU (tests/gpu_check.sh --dry-run)."""
     torch.manual_seed(0)
-    model = build_model("deeplabv3plus_resnet101", NUM_CLASSES).cuda().train()
+    model = build_model(model_name, NUM_CLASSES).to(device).train()
     memory_format = torch.channels_last if channels_last else torch.contiguous_format
     model = model.to(memory_format=memory_format)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=1e-4)
     forward = torch.compile(model) if compile_model else model
-    images = torch.randn(batch, 3, crop, crop, device="cuda").contiguous(memory_format=memory_format)
-    labels = torch.randint(0, NUM_CLASSES, (batch, crop, crop), device="cuda")
+    images = torch.randn(batch, 3, crop, crop, device=device).contiguous(memory_format=memory_format)
+    labels = torch.randint(0, NUM_CLASSES, (batch, crop, crop), device=device)
+    cuda = device == "cuda"
 
     def step():
-        with torch.autocast("cuda", dtype=dtype, enabled=dtype is not None):
+        with torch.autocast(device, dtype=dtype, enabled=dtype is not None):
             loss = main.criterion(forward(images), labels)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -333,15 +340,18 @@ def gpu_step_rate(dtype, channels_last, compile_model, batch, crop, steps, warmu
     start = time.time()
     for _ in range(warmup):
         step()
-    torch.cuda.synchronize()
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
     warmup_s = time.time() - start
-    torch.cuda.reset_peak_memory_stats()
     start = time.time()
     for _ in range(steps):
         step()
-    torch.cuda.synchronize()
+    if cuda:
+        torch.cuda.synchronize()
     elapsed = time.time() - start
-    return batch * steps / elapsed, torch.cuda.max_memory_allocated() / 2**30, warmup_s
+    peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else records.peak_memory_gib(torch.device("cpu"))
+    return batch * steps / elapsed, peak, warmup_s
 
 
 def bench_gpu(batch, crop, steps, warmup):

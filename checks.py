@@ -1,21 +1,24 @@
-"""Mistakes found before any work: every flag, the output folder, the run that is already there.
+"""The flags: every number checked where it is parsed, what several flags tell together, and the precision
+setting that main.py and predict.py share.
 
     parser.add_argument("-b", type=checks.at_least(1))   # argparse: its usage line and one error line
+    checks.add_amp_argument(parser)                      # --amp [bf16|fp16], in both programs
     crop_size = checks.check_args(args, use_cuda)        # what several flags tell together
-    checks.check_output(args)                            # folders that can be written, no run destroyed
+    autocast = checks.autocast(args, use_cuda)           # --amp's context; fp16 needs CUDA
 
-Each mistake ends in one line that names it and says what to do (recovery.fail), before a process group,
-a model or a data loader exists.
+Each mistake ends in one line that names it and says what to do (paths.fail), before a process group,
+a model or a data loader exists. The folders the programs write are checked in paths.py.
 """
 import argparse
+import contextlib
+import functools
 import importlib
 import math
-import os
-import shutil
 
-from recovery import fail
+import torch
 
-STARTED_RUN_FILES = ("checkpoint.pth", "checkpoint.prev.pth", "best.pth", "metrics.jsonl", "eval.json")
+import paths
+from paths import fail
 
 
 def _number(kind, low=None, high=None, low_open=False, high_open=False):
@@ -58,8 +61,26 @@ def fraction(high_open=True):
     return _number(float, 0, 1, high_open=high_open)
 
 
+def add_amp_argument(parser):
+    parser.add_argument("--amp", nargs="?", const="bf16", choices=("bf16", "fp16"), default=None,
+                        help="mixed precision: bf16 (the default when given alone) or fp16 (CUDA only; with a "
+                             "GradScaler when training)")
+
+
+def autocast(args, use_cuda):
+    """--amp: -> a function that opens its autocast context (one that does nothing without --amp). float16 needs
+    CUDA; bfloat16 runs on the CPU too."""
+    if args.amp == "fp16" and not use_cuda:
+        fail("--amp fp16 needs CUDA; on the CPU use --amp bf16 or no --amp")
+    if args.amp is None:
+        return contextlib.nullcontext
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.amp]
+    return functools.partial(torch.autocast, "cuda" if use_cuda else "cpu", dtype=dtype)
+
+
 def check_args(args, use_cuda):
-    """What several flags tell together, and what this machine can do. -> the crop as (height, width)."""
+    """What several flags tell together, what this machine can do, and the folders they name (paths.py).
+    -> the crop as (height, width)."""
     crop_size = args.crop_size * 2 if len(args.crop_size) == 1 else args.crop_size
     if len(crop_size) != 2 or min(crop_size) < 8:
         fail(f"--crop-size {' '.join(map(str, args.crop_size))}: give one or two numbers of at least 8")
@@ -71,14 +92,17 @@ def check_args(args, use_cuda):
              f"is 1x1 for one image, too little for BatchNorm; use a crop of at least {2 * args.output_stride} or -b 2")
     if args.scale_range[0] > args.scale_range[1]:
         fail(f"--scale-range {args.scale_range[0]:g} {args.scale_range[1]:g}: the first is the smallest scale")
-    if args.amp == "fp16" and not use_cuda:
-        fail("--amp fp16 needs CUDA; on the CPU use --amp bf16 or no --amp")
+    if use_cuda and not args.check_only and args.local_rank >= torch.cuda.device_count():
+        fail(f"local rank {args.local_rank} but only {torch.cuda.device_count()} GPUs visible: start at most one "
+             "process per GPU", this_rank=True)  # only the ranks past the last GPU see it
     if args.sync_bn and not use_cuda:
         fail("--sync-bn needs CUDA: SyncBatchNorm does not run on the CPU; drop the flag")
     if args.dist_backend == "nccl" and not use_cuda:
         fail("--dist-backend nccl needs CUDA GPUs; on the CPU use --dist-backend gloo (the default there)")
     if args.evaluate and not args.resume:
         fail("-e/--evaluate evaluates a trained model: give it --resume PATH")
+    if args.evaluate and args.overwrite:
+        fail("--overwrite replaces a training run in --output-dir; -e trains nothing: drop --overwrite")
     if args.start_epoch >= args.epochs:
         fail(f"--start-epoch {args.start_epoch} is not below --epochs {args.epochs}: nothing to train")
     if args.weights and (args.evaluate or args.resume not in ("", "auto")):
@@ -91,52 +115,5 @@ def check_args(args, use_cuda):
             importlib.import_module("torch.utils.tensorboard")  # optional: not in requirements.txt
         except ImportError:
             fail("--tensorboard needs TensorBoard, which is not installed: pip install tensorboard")
+    paths.check_run_folders(args)  # --output-dir, --save-predictions, --cache-dir: not files, not in the data
     return crop_size
-
-
-def _writable_folder(flag, path):
-    """Make the folder if it is not there; fail in one line if it cannot be, or cannot be written."""
-    if os.path.exists(path) and not os.path.isdir(path):
-        fail(f"{flag} {path} is a file, not a folder: give a folder")
-    try:
-        os.makedirs(path, exist_ok=True)
-        probe = os.path.join(path, f".write-test-{os.getpid()}")
-        with open(probe, "w"):
-            pass
-        os.remove(probe)
-    except OSError as error:
-        fail(f"{flag} {path} cannot be written ({error.strerror}): choose a folder you can write to")
-
-
-def check_output(args, is_writer):
-    """Which run this is, and its output folders. A torchrun restart carries on from the last checkpoint
-    (--resume auto). A training run does not silently replace another run's checkpoints and metrics: it
-    needs --resume auto (which continues it) or --overwrite (which removes it first, rank 0, not in a
-    check). The folders can be written (found now, not after an epoch). is_writer: only rank 0 makes and
-    probes folders (the others wait for it in init_process_group)."""
-    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0
-    if restarted:
-        args.resume = "auto"  # torchrun restarted us after a failure: carry on from the last checkpoint
-    elif args.overwrite and args.resume == "auto":
-        args.resume = ""  # run.sh passes --resume auto; --overwrite says: not this time
-    for flag, path in (("--output-dir", args.output_dir), ("--save-predictions", args.save_predictions),
-                       ("--cache-dir", args.cache_dir)):
-        if path is not None and os.path.exists(path) and not os.path.isdir(path):
-            fail(f"{flag} {path} is a file, not a folder: give a folder")
-    found = [name for name in STARTED_RUN_FILES if os.path.exists(os.path.join(args.output_dir, name))]
-    has_checkpoint = any(name.startswith("checkpoint") for name in found)
-    if found and not args.evaluate and not args.overwrite and (not args.resume or
-                                                               (args.resume == "auto" and not has_checkpoint)):
-        fail(f"--output-dir {args.output_dir} holds another run ({', '.join(found)}"
-             f"{'' if has_checkpoint else ', no checkpoint to continue from'}): continue it with --resume auto, "
-             "choose another --output-dir, or replace it with --overwrite")
-    if is_writer:  # before init_process_group, which every rank waits in: the folders exist after it
-        _writable_folder("--output-dir", args.output_dir)
-        if args.overwrite and not restarted and not args.check_only and not args.evaluate:
-            for name in found:
-                os.remove(os.path.join(args.output_dir, name))
-            shutil.rmtree(os.path.join(args.output_dir, "tensorboard"), ignore_errors=True)  # its curves too
-        os.makedirs(os.path.join(args.output_dir, "vis"), exist_ok=True)
-        for flag, path in (("--save-predictions", args.save_predictions), ("--cache-dir", args.cache_dir)):
-            if path is not None:
-                _writable_folder(flag, path)

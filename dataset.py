@@ -14,32 +14,29 @@ Fill the cache before training (optional: the first epoch fills it too):
 
     python dataset.py --prepare-cache data/cache --data data/cityscapes --split train val
 
-No real data at hand? Write a synthetic set in exactly the official layout and file naming (--photo: with
-the texture and noise of photographs, so that files are as large and as slow to decode as real ones):
-
-    python dataset.py --synthetic data/cityscapes_synthetic --num-train 200 --num-val 50 --size 256 128
-    python dataset.py --synthetic data/my_streets --layout folder   # the folder layout (FolderDataset)
+No real data at hand? synthetic.py writes a set in either layout.
 """
 import argparse
+import contextlib
 import glob
-import hashlib
 import json
+import math
 import multiprocessing
 import os
-import secrets
 import sys
 
 import numpy as np
 import torch
 import torchvision
-from PIL import Image, ImageDraw, ImageOps
+from PIL import Image
 from torchvision import tv_tensors
 from torchvision.transforms.v2 import functional as F
 
-try:  # torchcodec: the decoder torchvision 0.29 names as its successor; bundles libpng, needs no FFmpeg
-    from torchcodec.decoders import decode_image as _torchcodec_decode
-except (ImportError, OSError, RuntimeError):  # not installed, or built for another torch: PIL decodes
-    _torchcodec_decode = None
+import paths
+from checks import at_least
+from images import cached, decode_label, read_image, seen_size
+from paths import BadInput, fail
+from recovery import log
 
 # The label table: torchvision carries the official one (cityscapesScripts' labels.py), so we read it
 # rather than typing it again. The 19 classes a model learns are those with 0 <= train_id < 255.
@@ -139,112 +136,6 @@ def normalize(images):
     return F.normalize(F.to_dtype(images, torch.float32, scale=True), MEAN, STD)
 
 
-class BadInput(ValueError):
-    """A data problem the user can fix: main.py prints its message as one line, without a traceback."""
-
-
-# ---------------------------------------------------------------------------------------------------
-# Decoding. Both readers return numpy arrays, (H, W, 3) and (H, W) uint8, so that a crop can be sliced
-# out of them, or out of the cache's memory maps, before anything is copied.
-
-_PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
-
-
-def read_image(path):
-    """(H, W, 3) uint8, bitwise the pixels PIL gives. torchcodec decodes a photo-like 2048x1024 PNG in
-    28 ms, PIL in 35 (AMD EPYC, one thread). Its (3, H, W) result is returned as a strided (H, W, 3) view:
-    only the crop is copied into (H, W, 3) order, the order torchvision's uint8 resize is fastest on."""
-    try:
-        if _torchcodec_decode is not None:
-            return _torchcodec_decode(path, mode="RGB").permute(1, 2, 0).numpy()
-        with Image.open(path) as f:
-            f = ImageOps.exif_transpose(f)  # a phone's JPEG turned as a viewer shows it, as torchcodec does
-            return np.asarray(f if f.mode == "RGB" else f.convert("RGB"))
-    except Exception as error:
-        raise BadInput(f"{path} cannot be decoded ({str(error).splitlines()[0][:200]}); replace it, or remove "
-                       "the image and its label") from None
-
-
-def decode_label(path):
-    """(H, W) label values as the file holds them, unchecked. torchcodec only for 8-bit greyscale PNGs
-    (Cityscapes' own): on a palette PNG it would return the palette's colours, not the indices, so anything
-    else goes to PIL."""
-    try:
-        with open(path, "rb") as f:
-            header = f.read(26)  # signature, IHDR: width, height, bit depth (byte 24), colour type (byte 25)
-        if header[:8] == _PNG_SIGNATURE and header[25] == 0 and header[24] < 8:
-            raise ValueError(f"a {header[24]}-bit greyscale PNG, whose values PIL would scale to 0-255; save it as "
-                             "8-bit")
-        if _torchcodec_decode is not None and header[:8] == _PNG_SIGNATURE and header[24:26] == b"\x08\x00":
-            return _torchcodec_decode(path, mode="UNCHANGED")[0].numpy()
-        with Image.open(path) as f:
-            return np.asarray(f)  # mode "P": the indices; "L": the values
-    except Exception as error:
-        raise BadInput(f"{path} cannot be decoded ({str(error).splitlines()[0][:200]}); replace it, or remove "
-                       "the image and its label") from None
-
-
-def read_label(path):
-    """(H, W) uint8 Cityscapes labelIds, checked."""
-    label_ids = decode_label(path)
-    if label_ids.ndim != 2 or label_ids.dtype != np.uint8 or int(label_ids.max()) > MAX_LABEL_ID:
-        raise BadInput(f"{path} is not a Cityscapes labelIds image (8-bit, values 0-{MAX_LABEL_ID}): "
-                       f"it holds {label_ids.dtype} values up to {int(label_ids.max())}, shape "
-                       f"{label_ids.shape}. Use the *_gtFine_labelIds.png files")
-    return label_ids
-
-
-# ---------------------------------------------------------------------------------------------------
-# The decode cache: each frame decoded once, kept as an uncompressed .npy, read through a memory map.
-
-def cache_path(cache_dir, source, checked=""):
-    """The cache file of a source file. Its name holds a hash of the source's path and one of its size and
-    modification time: a source that changes gets a new name, so a stale entry is never read. checked: what
-    the entry was checked against when it was decoded (a mask's classes), also part of the name."""
-    stat = os.stat(source)
-    where = hashlib.sha1(os.path.abspath(source).encode()).hexdigest()[:10]
-    version = hashlib.sha1(f"{stat.st_size}:{stat.st_mtime_ns}{checked}".encode()).hexdigest()[:10]
-    stem = os.path.splitext(os.path.basename(source))[0]
-    return os.path.join(cache_dir, f"{stem}.{where}.{version}.npy")
-
-
-def cached(cache_dir, source, read, checked=""):
-    """read(source) as an array, from the cache when it holds a sound copy (a memory map: nothing is read
-    until sliced), else decoded and written there. Safe with many processes at once: each writes a file
-    of its own name and renames it into place (atomic), so a reader sees no file or a whole one; two that
-    miss together both decode and write the same bytes."""
-    try:
-        path = cache_path(cache_dir, source, checked)
-    except OSError as error:
-        raise BadInput(f"{source} cannot be read ({error}); replace it, or remove the image and its label") from None
-    try:
-        array = np.load(path, mmap_mode="r")
-        if array.dtype == np.uint8 and array.offset + array.nbytes == os.path.getsize(path):
-            return array
-    except (ValueError, OSError, EOFError):  # none yet, or damaged (truncated, overwritten): decoded below
-        pass
-    array = read(source)
-    temporary = f"{path}.{os.getpid()}-{secrets.token_hex(4)}.tmp"  # unique per process and thread
-    try:
-        with open(temporary, "xb") as f:
-            np.save(f, array)  # no fsync: a file cut short by a crash fails the size check and is rebuilt
-        os.replace(temporary, path)
-    except OSError as error:
-        raise BadInput(f"cannot write the decode cache {path} ({error}); free space there or use another "
-                       "cache folder") from None
-    finally:
-        if os.path.exists(temporary):
-            os.remove(temporary)
-    # Earlier versions of this source (it changed since) are garbage now.
-    for old in glob.glob(path[:path.rindex(".", 0, -4)] + ".*.npy"):
-        if old != path:
-            try:
-                os.remove(old)
-            except FileNotFoundError:  # another process removed it first
-                pass
-    return array
-
-
 def _folder_entries(folder, folders=True):
     """The sub-folders (or the files) of folder, sorted; other entries ignored. A link that leads nowhere
     or to itself (a loop) is named: it is a mistake in the data folder, not something to skip quietly."""
@@ -282,11 +173,6 @@ class SegmentationFiles(torch.utils.data.Dataset):
         self.images, self.labels = images, labels
         self.crop_size, self.seed, self.cache_dir = crop_size, seed, cache_dir
         self.scale_range, self.color_jitter = scale_range, color_jitter
-        if cache_dir is not None:
-            try:
-                os.makedirs(cache_dir, exist_ok=True)
-            except OSError as error:
-                raise BadInput(f"cannot make the decode cache folder {cache_dir} ({error}); use another") from None
         # The epoch lives in shared memory: DataLoader workers that persist across epochs see main.py set it.
         # Augmentation is drawn from (seed, epoch, index).
         self._epoch = torch.zeros((), dtype=torch.int64).share_memory_()
@@ -308,25 +194,27 @@ class SegmentationFiles(torch.utils.data.Dataset):
 
     def check_files(self, decode_labels=False):
         """Read every file's header (not its pixels: about 0.1 ms a pair): each opens as an image, and each
-        label has its image's size. Catches most bad files before any training time is spent.
-        decode_labels (or checks_every_label): also decode every label and check its values (val's: a few
-        seconds for Cityscapes' 500)."""
+        label has its image's size as read_image turns it. Catches most bad files before any training time is
+        spent. decode_labels (or checks_every_label): also decode every label and check its values. -> (pixels
+        of each class index in the decoded labels, numpy (256,), 255: ignored; the labels more than half ignored),
+        or (None, []) when none was decoded."""
+        counts, mostly_ignored = None, []
         for image_path, label_path in zip(self.images, self.labels):
             if decode_labels or self.checks_every_label:
-                self.read_label(label_path)
-            sizes = []
-            for path in (image_path, label_path):
-                try:
-                    with Image.open(path) as f:
-                        has_exif = f.format == "JPEG" or "exif" in f.info  # a PNG's eXIf chunk, if before IDAT
-                        turned = has_exif and f.getexif().get(0x0112, 1) in (5, 6, 7, 8)  # EXIF orientation
-                        sizes.append(f.size[::-1] if turned else f.size)  # as read_image turns it
-                except Exception as error:
-                    raise BadInput(f"{path} cannot be read as an image ({error}); replace it, or remove the image "
-                                   "and its label") from None
-            if sizes[0] != sizes[1]:
-                raise BadInput(f"{label_path} is {sizes[1][0]}x{sizes[1][1]} but its image is "
-                               f"{sizes[0][0]}x{sizes[0][1]}; they must match")
+                found = np.bincount(self.label_table[self.read_label(label_path)].ravel(), minlength=256)
+                counts = found if counts is None else counts + found
+                if found[IGNORE_INDEX] * 2 > found.sum():
+                    mostly_ignored.append(label_path)
+            try:
+                (width, height, turned), (label_width, label_height, _) = seen_size(image_path), seen_size(label_path)
+            except Exception as error:
+                raise BadInput(f"{image_path} or its label cannot be read as an image ({error}); replace it, or "
+                               "remove the image and its label") from None
+            if (width, height) != (label_width, label_height):
+                turn = (f" as its EXIF orientation turns it (stored {height}x{width}); draw the mask on the image as "
+                        "it is seen, or remove the orientation tag" if turned else "; they must match")
+                raise BadInput(f"{label_path} is {label_width}x{label_height} but its image is {width}x{height}{turn}")
+        return counts, mostly_ignored
 
     def frame(self, index):
         """The decoded (image (H, W, 3), label values (H, W)) of one sample: arrays, or the cache's memory maps."""
@@ -363,6 +251,16 @@ class SegmentationFiles(torch.utils.data.Dataset):
         return image.as_subclass(torch.Tensor), torch.from_numpy(self.label_table[np.asarray(label_values)])
 
 
+def read_label(path):
+    """(H, W) uint8 Cityscapes labelIds, checked."""
+    label_ids = decode_label(path)
+    if label_ids.ndim != 2 or label_ids.dtype != np.uint8 or int(label_ids.max()) > MAX_LABEL_ID:
+        raise BadInput(f"{path} is not a Cityscapes labelIds image (8-bit, values 0-{MAX_LABEL_ID}): "
+                       f"it holds {label_ids.dtype} values up to {int(label_ids.max())}, shape "
+                       f"{label_ids.shape}. Use the *_gtFine_labelIds.png files")
+    return label_ids
+
+
 class Cityscapes(SegmentationFiles):
     """Cityscapes in its official layout (leftImg8bit/, gtFine/): labelIds mapped to the 19 trainIds by
     torchvision's label table. Listed here, not by torchvision.datasets.Cityscapes: its listing fails on a
@@ -372,7 +270,7 @@ class Cityscapes(SegmentationFiles):
     label_table = _ID_TO_TRAINID_NP
 
     def __init__(self, root, split="train", **options):
-        get = "README.md says how to get Cityscapes; ./run.sh writes a synthetic set for a demo"
+        get = "docs/cityscapes.md says how to get Cityscapes; ./run.sh writes a synthetic set for a demo"
         for sub in ("leftImg8bit", "gtFine"):
             if not os.path.isdir(os.path.join(root, sub, split)):
                 raise BadInput(f"{os.path.join(root, sub, split)} not found: {root} should hold Cityscapes "
@@ -442,7 +340,7 @@ def read_classes(root):
         raise BadInput(f"{path} not found: a data set in images/ and masks/ names its classes there, as "
                        f"{_CLASSES_EXAMPLE}") from None
     except (OSError, ValueError) as error:
-        raise BadInput(f"{path} cannot be read as JSON ({str(error).splitlines()[0][:150]}); write it as "
+        raise BadInput(f"{path} cannot be read as JSON ({str(error).splitlines()[0]}); write it as "
                        f"{_CLASSES_EXAMPLE}") from None
     if not isinstance(spec, dict) or set(spec) - {"names", "colors", "ignore_index"}:
         extra = sorted(set(spec) - {"names", "colors", "ignore_index"}) if isinstance(spec, dict) else spec
@@ -453,6 +351,9 @@ def read_classes(root):
             or not all(isinstance(name, str) and name for name in names)):
         raise BadInput(f'{path}: "names" must list at least 2 different class names, in the order of their '
                        f"indices in the masks; write it as {_CLASSES_EXAMPLE}")
+    if len(names) > 255:
+        raise BadInput(f'{path} names {len(names)} classes, but a mask of 8 bits a pixel holds at most 255 classes '
+                       "beside its ignore_index: merge classes, or train on at most 255")
     ignore = spec.get("ignore_index", IGNORE_INDEX)
     if type(ignore) is not int or not len(names) <= ignore <= 255:
         raise BadInput(f'{path}: "ignore_index" {ignore!r} must be a whole number from {len(names)} to 255: '
@@ -464,9 +365,12 @@ def read_classes(root):
     return {"names": names, "colors": colors}, ignore
 
 
-def _files_below(folder, extensions):
+OTHER_IMAGE_FORMATS = (".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm", ".pgm", ".jpg", ".jpeg", ".png")
+
+
+def _files_below(folder, extensions, what):
     """Paths below folder (sub-folders included, linked ones too) of files with those extensions, relative to
-    it, sorted."""
+    it, sorted. An image in another format is named: training does not read it (what: "images" or "masks")."""
     found, seen = [], set()
     for parent, subfolders, names in os.walk(folder, followlinks=True):
         if os.path.realpath(parent) in seen:
@@ -480,6 +384,11 @@ def _files_below(folder, extensions):
                                "remove it")
             if name.lower().endswith(extensions):
                 found.append(os.path.relpath(path, folder))
+            elif name.lower().endswith(OTHER_IMAGE_FORMATS):
+                why = ("are PNGs: JPEG's compression changes class indices" if what == "masks" else
+                       f"are {', '.join(extensions)} files")
+                again = os.path.splitext(name)[0] + (".png" if what == "masks" else ".jpg or .png")
+                raise BadInput(f"{path}: {what} {why}, and this format is not read; save it as {again}, or remove it")
     return sorted(found)
 
 
@@ -508,15 +417,15 @@ class FolderDataset(SegmentationFiles):
         for folder in (self.image_root, mask_root):
             if not os.path.isdir(folder):
                 raise BadInput(f"{folder} not found: with a classes.json, {root} holds its {split} images in "
-                               f"images/{split}/ and their masks in masks/{split}/ (README.md, 'Your own data')")
+                               f"images/{split}/ and their masks in masks/{split}/ (docs/your-data.md)")
         images = {}
-        for name in _files_below(self.image_root, IMAGE_EXTENSIONS):
+        for name in _files_below(self.image_root, IMAGE_EXTENSIONS, "images"):
             stem = os.path.splitext(name)[0]
             if stem in images:
                 raise BadInput(f"{self.image_root}: {images[stem]} and {name} would share one mask, {stem}.png; "
                                "rename one")
             images[stem] = name
-        masks = {os.path.splitext(name)[0]: name for name in _files_below(mask_root, (".png",))}
+        masks = {os.path.splitext(name)[0]: name for name in _files_below(mask_root, (".png",), "masks")}
         if not images:
             raise BadInput(f"{self.image_root} holds no images ({', '.join(IMAGE_EXTENSIONS)}): the {split} "
                            "split is empty")
@@ -573,192 +482,45 @@ def open_dataset(root, split="train", **options):
     return (FolderDataset if own else Cityscapes)(root, split, **options)
 
 
+def open_datasets(args, crop_size, world_size):
+    """main.py's train and val sets, checked the same way on every rank before any training time is spent:
+    every file's header read, every val label decoded (and every mask of your own data); a val set with no
+    labelled pixel refused; classes that no training mask shows, and masks that are mostly ignore, said."""
+    try:
+        train_set = open_dataset(args.data, "train", crop_size=crop_size, seed=args.seed, cache_dir=args.cache_dir,
+                                 scale_range=args.scale_range, color_jitter=args.color_jitter)
+        val_set = open_dataset(args.data, "val", cache_dir=args.cache_dir)  # the same classes: one classes.json
+        train_counts, mostly_ignored = train_set.check_files()
+        val_counts, _ = val_set.check_files(decode_labels=True)  # found now, not after the first epoch
+    except BadInput as error:
+        fail(error)
+    names, data = train_set.classes["names"], paths.named("--data")
+    if not val_counts[:len(names)].any():
+        fail(f"the val labels of {data} {args.data} hold no pixel of any class, only ignored ones: mIoU would be "
+             "undefined; label the val images (or check ignore_index in classes.json)")
+    if train_counts is not None and not args.evaluate:  # your own data: every mask decoded
+        absent = [name for index, name in enumerate(names) if not train_counts[index]]
+        if absent:
+            log(f"warning: no training mask of {args.data} has a pixel of {', '.join(map(repr, absent))}: the model "
+                "cannot learn it; add images that show it, or remove it from classes.json (and renumber the masks)")
+        if mostly_ignored:
+            log(f"warning: {len(mostly_ignored)} of {len(train_set)} training masks are more than half "
+                f"ignore_index {train_set.ignore_value} (e.g. {mostly_ignored[0]}), which the loss skips: if that "
+                "value marks a class (masks saved as 0 and 255), save them with its class index instead")
+    if world_size > len(val_set):
+        fail(f"{world_size} processes but only {len(val_set)} val images: use at most {len(val_set)} processes")
+    share = math.ceil(len(train_set) / world_size)  # DistributedSampler's, padded
+    if not args.evaluate and share < args.batch_size:
+        fail(f"--batch-size {args.batch_size} is more than a process's share of the {len(train_set)} training "
+             f"images ({share} with {world_size} processes): use a smaller batch or fewer processes")
+    return train_set, val_set
+
+
 def colorize(labels, colors=CLASS_COLORS):
     """(H, W) class indices -> (H, W, 3) uint8 in the classes' colours (Cityscapes' by default); ignore is black."""
     palette = torch.zeros(256, 3, dtype=torch.uint8)
     palette[:len(colors)] = torch.tensor(colors, dtype=torch.uint8)
     return palette[labels.long()]
-
-
-# ---------------------------------------------------------------------------------------------------
-# A synthetic Cityscapes: procedural street scenes, written in the official layout.
-
-_ID = {c.name: c.id for c in _TABLE}
-_TRAIN_CITIES = ("aachen", "bochum", "bremen")
-_VAL_CITIES = ("frankfurt", "lindau", "munster")
-
-
-def _jitter(rng, color, amount=25):
-    return tuple(int(np.clip(v + rng.integers(-amount, amount + 1), 0, 255)) for v in color)
-
-
-def photo_texture(rng, height, width):
-    """What photographs have and drawings lack, as (H, W, 3) float32 to add to an image: texture whose power
-    falls with spatial frequency f as 1/f^1.8, as in natural images (white noise shaped in the Fourier
-    domain), half of it shared by the three channels as brightness is, and sensor noise of sigma 1.
-    A 2048x1024 street scene with it saves to a PNG of about 2.3 MB, as a real frame (about 2.2 MB), so
-    decoding it costs about what a real frame's does; a drawing's flat areas compress away and decode fast."""
-    fy = np.fft.fftfreq(height).astype(np.float32)[:, None]
-    fx = np.fft.rfftfreq(width).astype(np.float32)[None, :]
-    radius = np.sqrt(fy * fy + fx * fx)
-    radius[0, 0] = np.inf  # no constant term: the scene keeps its mean colour
-
-    def texture():
-        field = np.fft.irfft2(np.fft.rfft2(rng.standard_normal((height, width), dtype=np.float32)) / radius ** 1.8,
-                              s=(height, width))
-        return (field / field.std()).astype(np.float32)
-
-    shared = texture()
-    amplitude = 8  # grey levels per unit of each half: visible shading that leaves classes recognisable
-    channels = [amplitude * (shared + texture()) for _ in range(3)]
-    return np.stack(channels, axis=-1) + rng.standard_normal((height, width, 3), dtype=np.float32)
-
-
-def draw_street(rng, width, height, photo=False):
-    """One street scene: (RGB uint8 array, labelId uint8 array). Shapes, not just colours, tell the
-    classes apart: colours are jittered per object, overlap between classes, and carry noise (photo=True:
-    photo_texture's instead of plain Gaussian noise of sigma 8)."""
-    image = Image.new("RGB", (width, height))
-    label = Image.new("L", (width, height), _ID["unlabeled"])
-    paint, mark = ImageDraw.Draw(image), ImageDraw.Draw(label)
-
-    def shape(kind, box, color, name):
-        getattr(paint, kind)(box, fill=color)
-        getattr(mark, kind)(box, fill=_ID[name])
-
-    horizon = int(height * rng.uniform(0.35, 0.5))
-    sky = _jitter(rng, (70, 130, 180), 30)
-    shape("rectangle", [0, 0, width, horizon], sky, "sky")
-    # Buildings and trees along the horizon.
-    x = -int(rng.integers(0, width // 10 + 1))
-    while x < width:
-        w = int(width * rng.uniform(0.08, 0.25))
-        top = horizon - int(height * rng.uniform(0.12, 0.38))
-        if rng.random() < 0.7:
-            wall = _jitter(rng, rng.choice([(70, 70, 70), (120, 100, 80), (150, 140, 130)]), 30)
-            shape("rectangle", [x, top, x + w, horizon + 2], wall, "building")
-            cell = max(4, w // 5)
-            glass = _jitter(rng, (40, 50, 70), 20)
-            for wy in range(top + cell // 2, horizon - cell, cell):
-                for wx in range(x + cell // 3, x + w - cell // 2, cell):
-                    paint.rectangle([wx, wy, wx + cell // 2, wy + cell // 2], fill=glass)
-        else:
-            trunk = max(2, w // 10)
-            shape("rectangle", [x + w // 2 - trunk // 2, top + (horizon - top) // 2, x + w // 2 + trunk // 2,
-                                horizon + 2], _jitter(rng, (90, 70, 40)), "vegetation")
-            shape("ellipse", [x, top, x + w, top + (horizon - top) * 3 // 4], _jitter(rng, (107, 142, 35), 30),
-                  "vegetation")
-        x += w
-    # Ground: sidewalk or terrain on both sides, the road in perspective towards a vanishing point.
-    ground = "terrain" if rng.random() < 0.3 else "sidewalk"
-    ground_color = (152, 200, 120) if ground == "terrain" else (190, 160, 170)
-    shape("rectangle", [0, horizon, width, height], _jitter(rng, ground_color, 20), ground)
-    vanish = width * rng.uniform(0.35, 0.65)
-    left_edge, right_edge = width * rng.uniform(-0.4, 0.1), width * rng.uniform(0.9, 1.4)
-    road = [(vanish - 2, horizon), (vanish + 2, horizon), (right_edge, height), (left_edge, height)]
-    shape("polygon", road, _jitter(rng, (110, 80, 110), 20), "road")
-    for t in np.arange(0.1, 1.0, 0.2):  # lane marks: paint on the road, still labelled road
-        y0, y1 = horizon + (height - horizon) * t, horizon + (height - horizon) * (t + 0.08)
-        x0, x1 = vanish + (width / 2 - vanish) * t, vanish + (width / 2 - vanish) * (t + 0.08)
-        paint.line([(x0, y0), (x1, y1)], fill=(230, 230, 230), width=max(1, int(3 * t)))
-
-    def road_x(y, frac):  # a point at fraction frac across the road at row y
-        t = (y - horizon) / (height - horizon)
-        lo, hi = vanish + (left_edge - vanish) * t, vanish + (right_edge - vanish) * t
-        return lo + (hi - lo) * frac
-
-    # Poles with signs or traffic lights, and people, beside the road.
-    for _ in range(int(rng.integers(1, 4))):
-        base = horizon + (height - horizon) * rng.uniform(0.2, 0.7)
-        side = rng.choice([-0.15, 1.15])
-        px = road_x(base, side)
-        size = (base - horizon) / (height - horizon) * height * 0.5 + 6
-        pw, top = max(2, size * 0.08), base - size * 1.6
-        shape("rectangle", [px - pw, top, px + pw, base], _jitter(rng, (153, 153, 153), 15), "pole")
-        if rng.random() < 0.6:
-            s = size * 0.25
-            color = _jitter(rng, rng.choice([(220, 220, 0), (200, 30, 30), (30, 60, 200)]), 20)
-            shape("ellipse" if rng.random() < 0.5 else "rectangle", [px - s, top - s, px + s, top + s], color,
-                  "traffic sign")
-        else:
-            s = size * 0.15
-            shape("rectangle", [px - s, top, px + s, top + 5 * s], _jitter(rng, (40, 40, 30), 10), "traffic light")
-            lamp = [(220, 30, 30), (250, 170, 30), (30, 200, 60)][int(rng.integers(0, 3))]
-            paint.ellipse([px - s * 0.6, top + s * 0.6, px + s * 0.6, top + s * 1.8], fill=lamp)
-    for _ in range(int(rng.integers(0, 4))):
-        feet = horizon + (height - horizon) * rng.uniform(0.15, 0.9)
-        px = road_x(feet, rng.choice([-0.1, 1.1]) + rng.uniform(-0.05, 0.05))
-        h = (feet - horizon) / (height - horizon) * height * 0.45 + 8
-        clothes = _jitter(rng, tuple(int(v) for v in rng.integers(0, 256, 3)), 0)
-        shape("rectangle", [px - h * 0.14, feet - h * 0.8, px + h * 0.14, feet], clothes, "person")
-        shape("ellipse", [px - h * 0.1, feet - h, px + h * 0.1, feet - h * 0.78], _jitter(rng, (220, 180, 150)),
-              "person")
-    # Cars on the road, far ones first so near ones cover them.
-    for base in sorted(horizon + (height - horizon) * rng.uniform(0.1, 0.95, int(rng.integers(1, 5)))):
-        cx = road_x(base, rng.uniform(0.15, 0.85))
-        w = (base - horizon) / (height - horizon) * width * 0.35 + 6
-        h = w * 0.55
-        body = _jitter(rng, tuple(int(v) for v in rng.integers(0, 256, 3)), 0)
-        shape("rectangle", [cx - w / 2, base - h * 0.6, cx + w / 2, base - h * 0.1], body, "car")
-        shape("rectangle", [cx - w * 0.35, base - h, cx + w * 0.35, base - h * 0.55], body, "car")
-        paint.rectangle([cx - w * 0.3, base - h * 0.92, cx + w * 0.3, base - h * 0.62], fill=(60, 70, 90))
-        for wx in (cx - w * 0.32, cx + w * 0.32):
-            shape("ellipse", [wx - h * 0.17, base - h * 0.3, wx + h * 0.17, base], (20, 20, 20), "car")
-    # The ego vehicle's bonnet at the bottom, void in Cityscapes: it teaches the loss to ignore.
-    shape("rectangle", [0, int(height * 0.94), width, height], _jitter(rng, (30, 30, 35), 10), "ego vehicle")
-
-    pixels = np.asarray(image, dtype=np.float32) * np.float32(rng.uniform(0.75, 1.2))
-    if photo:
-        pixels += photo_texture(rng, height, width)
-    else:
-        pixels += rng.standard_normal(pixels.shape, dtype=np.float32) * 8
-    return np.clip(pixels, 0, 255).astype(np.uint8), np.asarray(label)
-
-
-# The folder layout's synthetic set has other classes than Cityscapes' 19: its 7 categories (flat, construction,
-# object, nature, sky, human, vehicle), each coloured as its first class. Void (category 0) is ignored.
-CATEGORY_NAMES = [name for _, name in sorted({(c.category_id, c.category) for c in _TABLE if c.category_id > 0})]
-_ID_TO_CATEGORY = np.full(256, IGNORE_INDEX, dtype=np.uint8)
-for _c in _TABLE:
-    if _c.id >= 0 and _c.category_id > 0:
-        _ID_TO_CATEGORY[_c.id] = _c.category_id - 1
-CATEGORY_COLORS = [list(next(c.color for c in _TRAIN_CLASSES if c.category == name)) for name in CATEGORY_NAMES]
-
-
-def write_synthetic(root, num_train=200, num_val=50, size=(256, 128), seed=0, photo=False, layout="cityscapes"):
-    """Write a synthetic data set under root. Deterministic for a seed.
-    layout="cityscapes": Cityscapes' official layout and naming, labelIds (the 19 classes).
-    layout="folder": FolderDataset's (images/, masks/, classes.json) with Cityscapes' 7 categories as classes;
-    JPEG images, and palette-PNG masks that show the classes in their colours.
-    photo=True: photo-like frames (photo_texture), for measuring decoding; about 1.5 s a 2048x1024 frame."""
-    width, height = size
-    if layout == "folder":
-        os.makedirs(root, exist_ok=True)
-        with open(os.path.join(root, "classes.json"), "w") as f:
-            json.dump({"names": CATEGORY_NAMES, "colors": CATEGORY_COLORS, "ignore_index": IGNORE_INDEX}, f, indent=1)
-    for split_index, (split, count, cities) in enumerate(
-            (("train", num_train, _TRAIN_CITIES), ("val", num_val, _VAL_CITIES))):
-        for i in range(count):
-            image, label = draw_street(np.random.default_rng([seed, split_index, i]), width, height, photo)
-            if layout == "folder":
-                for sub in ("images", "masks"):
-                    os.makedirs(os.path.join(root, sub, split), exist_ok=True)
-                Image.fromarray(image).save(os.path.join(root, "images", split, f"street_{i:04d}.jpg"), quality=90)
-                mask = Image.fromarray(_ID_TO_CATEGORY[label])
-                mask.putpalette(palette_of(CATEGORY_COLORS))  # a "P" image now
-                mask.save(os.path.join(root, "masks", split, f"street_{i:04d}.png"))
-                continue
-            city = cities[i % len(cities)]
-            stem = f"{city}_{i // len(cities):06d}_{19:06d}"
-            image_dir = os.path.join(root, "leftImg8bit", split, city)
-            label_dir = os.path.join(root, "gtFine", split, city)
-            os.makedirs(image_dir, exist_ok=True)
-            os.makedirs(label_dir, exist_ok=True)
-            # compress_level=1: noisy images barely compress anyway, and writing is 5x faster. Photo-like
-            # frames get PNG's default (6), as real ones: 2.3 MB instead of 2.7, decoded as fast.
-            Image.fromarray(image).save(os.path.join(image_dir, f"{stem}_leftImg8bit.png"),
-                                        compress_level=6 if photo else 1)
-            Image.fromarray(label).save(os.path.join(label_dir, f"{stem}_gtFine_labelIds.png"))
 
 
 _preparing = None  # the data set a prepare_cache worker process fills the cache for
@@ -774,11 +536,18 @@ def _cache_frame(index):
 
 
 def prepare_cache(root, cache_dir, splits, workers):
-    """Decode every frame of the splits into cache_dir, `workers` processes at a time."""
-    for split in splits:
-        data = open_dataset(root, split, cache_dir=cache_dir)
-        with multiprocessing.Pool(workers, initializer=_set_preparing, initargs=(data,)) as pool:
-            for done, _ in enumerate(pool.imap_unordered(_cache_frame, range(len(data)), chunksize=4), 1):
+    """Decode every frame of the splits into cache_dir, `workers` processes at a time (0: in this one). The
+    cache folder is checked first: not the data set nor inside it, made where it is missing."""
+    paths.check_folder("--prepare-cache", cache_dir, reads=[("--data", root)])
+    sets = [open_dataset(root, split, cache_dir=cache_dir) for split in splits]  # every split found, then written
+    paths.make_folder("--prepare-cache", cache_dir)
+    for split, data in zip(splits, sets):
+        _set_preparing(data)
+        with multiprocessing.Pool(workers, initializer=_set_preparing, initargs=(data,)) if workers else \
+                contextlib.nullcontext() as pool:
+            frames = pool.imap_unordered(_cache_frame, range(len(data)), chunksize=4) if pool else \
+                map(_cache_frame, range(len(data)))
+            for done, _ in enumerate(frames, 1):
                 if done % 100 == 0 or done == len(data):
                     print(f"{split}: {done}/{len(data)} frames cached", flush=True)
     size = sum(os.path.getsize(os.path.join(cache_dir, f)) for f in os.listdir(cache_dir) if f.endswith(".npy"))
@@ -786,32 +555,15 @@ def prepare_cache(root, cache_dir, splits, workers):
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description="Write a synthetic data set (Cityscapes' official layout, or the "
-                                                 "folder layout of your own data), or fill a decode cache.")
-    task = parser.add_mutually_exclusive_group(required=True)
-    task.add_argument("--synthetic", metavar="DIR", help="folder to write a synthetic data set into")
-    task.add_argument("--prepare-cache", metavar="CACHE_DIR", help="decode --data's frames into this folder")
-    parser.add_argument("--num-train", type=int, default=200)
-    parser.add_argument("--num-val", type=int, default=50)
-    parser.add_argument("--size", type=int, nargs=2, default=(256, 128), metavar=("W", "H"))
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--layout", choices=("cityscapes", "folder"), default="cityscapes",
-                        help="with --synthetic: Cityscapes' layout (19 classes), or images/, masks/ and classes.json "
-                             "(Cityscapes' 7 categories as classes)")
-    parser.add_argument("--photo", action="store_true", help="photo-like frames: as large and slow to decode "
-                                                             "as real ones (about 1.5 s each to write at 2048x1024)")
-    parser.add_argument("--data", default="data/cityscapes", help="with --prepare-cache: the data set's root")
-    parser.add_argument("--split", nargs="+", default=["train", "val"], help="with --prepare-cache")
-    parser.add_argument("-j", "--workers", type=int, default=os.cpu_count(), help="with --prepare-cache")
+    parser = argparse.ArgumentParser(prog="dataset.py", description="Fill the decode cache: every frame of --data's "
+                                     "splits decoded once into CACHE_DIR (optional: training fills it as it reads).")
+    parser.add_argument("--prepare-cache", metavar="CACHE_DIR", required=True, help="the cache folder (--cache-dir)")
+    parser.add_argument("--data", default="data/cityscapes", help="the data set's root")
+    parser.add_argument("--split", nargs="+", choices=("train", "val", "test"), default=["train", "val"])
+    parser.add_argument("-j", "--workers", type=at_least(0), default=os.cpu_count(),
+                        help="processes decoding at once; 0: this one")
     args = parser.parse_args()
-    if args.prepare_cache:
-        try:
-            prepare_cache(args.data, args.prepare_cache, args.split, args.workers)
-        except BadInput as error:
-            sys.exit(f"dataset.py: {error}")
-        sys.exit()
-    if min(args.size) < 16 or args.num_train < 1 or args.num_val < 1:
-        sys.exit("dataset.py: --size must be at least 16 16 and --num-train, --num-val at least 1")
-    write_synthetic(args.synthetic, args.num_train, args.num_val, tuple(args.size), args.seed, args.photo, args.layout)
-    print(f"wrote {args.num_train} train and {args.num_val} val {'photo-like ' if args.photo else ''}images "
-          f"({args.size[0]}x{args.size[1]}) to {args.synthetic}, {args.layout} layout")
+    try:
+        prepare_cache(args.data, args.prepare_cache, args.split, args.workers)
+    except (BadInput, paths.UserError) as error:
+        sys.exit(f"dataset.py: error: {error}")

@@ -16,11 +16,11 @@ import torch
 import torch.nn.functional as F
 
 from checks import at_least, positive
-from recovery import fail
+from paths import fail
 
 
 def add_arguments(parser):
-    group = parser.add_argument_group("test-time augmentation (main.py -e and predict.py; costs time, see README.md)")
+    group = parser.add_argument_group("test-time augmentation (main.py -e and predict.py; costs time: docs/predict.md)")
     group.add_argument("--eval-scales", type=positive(), nargs="+", default=None, metavar="S",
                        help="average over the image resized by each factor (mmsegmentation's Cityscapes set: "
                             "0.5 0.75 1.0 1.25 1.5 1.75)")
@@ -106,7 +106,7 @@ def predict(model, images, mode=None):
     height, width = images.shape[-2:]
     total, views = 0, 0
     for scale in mode["scales"]:
-        size = (int(height * scale + 0.5), int(width * scale + 0.5))  # rounded as mmsegmentation does
+        size = (max(1, int(height * scale + 0.5)), max(1, int(width * scale + 0.5)))  # rounded as mmsegmentation does
         scaled = images if size == (height, width) else F.interpolate(images, size, mode="bilinear",
                                                                       align_corners=False)
         for flip in (False, True) if mode["flip"] else (False,):

@@ -25,25 +25,27 @@ could not be read.
 """
 import argparse
 import concurrent.futures
-import contextlib
-import functools
 import glob
 import os
 import sys
 import time
 from datetime import timedelta
 
-import numpy as np
 import torch
 import torch.distributed as dist
-from PIL import Image, ImageOps
+from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 
+import checkpoints
+import checks
 import inference
+import paths
 import recovery
 from checks import at_least, fraction
 from dataset import CLASS_COLORS, CLASS_NAMES, TRAINID_TO_ID, default_workers, normalize
+from images import read_image
 from models import MODEL_NAMES, build_model
+from paths import fail
 
 EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".tif", ".tiff")
 KINDS = ("color", "overlay", "label")
@@ -60,33 +62,20 @@ def get_args_parser():
                         help="label maps of the model's class indices (Cityscapes': trainIds) or Cityscapes' labelIds")
     parser.add_argument("--alpha", type=fraction(high_open=False), default=0.5, help="the colours' weight in the overlay")
     parser.add_argument("-b", "--batch-size", type=at_least(1), default=4, help="images of one size per forward")
-    parser.add_argument("-j", "--workers", type=at_least(0), default=None,
-                        help="decoding workers per process (default: this process's share of the cores, less one)")
-    parser.add_argument("--amp", nargs="?", const="bf16", choices=("bf16", "fp16"), default=None,
-                        help="mixed precision: bf16 (default when given alone) or fp16 (CUDA only)")
+    parser.add_argument("-j", "--workers", type=at_least(0), default=None, help="decoding workers per process; 0: "
+                        "in the process itself (default: its share of the cores, less one)")
+    checks.add_amp_argument(parser)  # --amp [bf16|fp16], as main.py has it (checks.py)
     parser.add_argument("--export", default=None, metavar="FILE.onnx",
                         help="write the model as ONNX (dynamic batch, height, width) instead of predicting")
     inference.add_arguments(parser)
     return parser
 
 
-def fail(message, this_rank=False):
-    """One line, exit 1: said once, by rank 0 under torchrun, where every rank finds the same mistake; by
-    the rank that meets it (this_rank) where only one does."""
-    if this_rank or recovery.is_main_process():
-        print(f"predict.py: error: {message}", file=sys.stderr, flush=True)
-    sys.exit(1)
-
-
 def load_model(path):
     """-> (model in eval mode, {"names", "colors"}). Everything from the checkpoint: the model's name and output
     stride from its args, the number of classes from the classifier, the classes' names and colours from
     "classes" when it has them (else Cityscapes')."""
-    if not os.path.isfile(path):
-        fail(f"--resume {path}: no such file")
-    checkpoint, problem = recovery.read_checkpoint(path)
-    if problem:
-        fail(f"--resume {path} {problem}")
+    checkpoint = checkpoints.read("--resume", path)
     saved = checkpoint.get("args") or {}
     if "model" not in saved:
         fail(f"--resume {path} holds weights without the model's name (no args['model']): give a checkpoint "
@@ -99,7 +88,7 @@ def load_model(path):
     try:
         model.load_state_dict(checkpoint["model"])
     except RuntimeError as error:
-        fail(f"--resume {path} does not fit {saved['model']} ({str(error).splitlines()[1].strip()[:150]})")
+        fail(f"--resume {path} does not fit {saved['model']} ({checkpoints.first_line(error)})")
     classes = checkpoint.get("classes") or {"names": CLASS_NAMES, "colors": CLASS_COLORS}
     if len(classes["names"]) != num_classes:
         fail(f"--resume {path} has {num_classes} classes but names for {len(classes['names'])}")
@@ -143,14 +132,6 @@ def find_images(inputs, output_dir):
     return sorted((path, os.path.relpath(path, root)) for path in files)
 
 
-def read_any_image(path):
-    """uint8 (3, H, W) as a viewer shows the file: EXIF orientation applied, any mode made RGB."""
-    with Image.open(path) as image:
-        upright = ImageOps.exif_transpose(image)
-        rgb = upright.convert("RGB")
-    return torch.from_numpy(np.asarray(rgb).copy()).permute(2, 0, 1)
-
-
 class ImageFiles(Dataset):
     """Decoded in DataLoader workers. Item: (index, uint8 image or None, why it could not be read)."""
 
@@ -162,9 +143,10 @@ class ImageFiles(Dataset):
 
     def __getitem__(self, index):
         try:
-            return index, read_any_image(self.paths[index]), ""
+            # uint8 (3, H, W), decoded as training decodes its files (images.py): as a viewer shows the file
+            return index, torch.from_numpy(read_image(self.paths[index]).copy()).permute(2, 0, 1), ""
         except Exception as error:  # the main loop names the file and goes on with the others
-            return index, None, (str(error).splitlines() or [type(error).__name__])[0][:200]
+            return index, None, checkpoints.first_line(error)
 
 
 def output_paths(output_dir, name, what, label_folder):
@@ -172,11 +154,11 @@ def output_paths(output_dir, name, what, label_folder):
     return {kind: os.path.join(output_dir, folders[kind], name + ".png") for kind in what}
 
 
-def write_outputs(prediction, image, paths, palette, args):
+def write_outputs(prediction, image, outputs, palette, args):
     """prediction: (H, W) class indices; image: uint8 (3, H, W). Runs in a writer thread (PNG encoding lets
     go of the GIL), beside the next forward."""
     prediction = prediction.long()  # an index: uint8 would be read as a mask
-    for kind, path in paths.items():
+    for kind, path in outputs.items():
         os.makedirs(os.path.dirname(path), exist_ok=True)
         if kind == "color":
             picture = palette[prediction]
@@ -188,6 +170,16 @@ def write_outputs(prediction, image, paths, palette, args):
         else:
             picture = prediction.to(torch.uint8)
         Image.fromarray(picture.numpy()).save(path)
+
+
+def is_export(path):
+    """Whether the file at path is an earlier --export: an ONNX model with this project's input and output."""
+    try:
+        import onnx
+        graph = onnx.load(path, load_external_data=False).graph
+        return [i.name for i in graph.input] == ["images"] and [o.name for o in graph.output] == ["logits"]
+    except Exception:  # not ONNX (or onnx not installed: then nothing is replaced)
+        return False
 
 
 def export_onnx(model, path):
@@ -202,62 +194,28 @@ def export_onnx(model, path):
                           external_data=False, verbose=False)
     except ImportError as error:
         fail(f"--export needs onnx and onnxscript ({error}): pip install -r requirements-test.txt")
+    print(f"wrote {path}: images float32 (N, 3, H, W), ImageNet-normalised -> logits float32 (N, classes, H, W)")
 
 
-def main(args):
-    mode = inference.read_mode(args)
-    if args.export is not None:
-        if args.inputs or mode:
-            fail("--export writes the plain model and exits: give it no INPUT and no --eval-* flag")
-        model, _ = load_model(args.resume)
-        export_onnx(model, args.export)
-        print(f"wrote {args.export}: images float32 (N, 3, H, W), ImageNet-normalised -> logits float32 "
-              f"(N, classes, H, W)")
-        return
-    if not args.inputs:
-        fail("no INPUT: name image files, folders or glob patterns (or --export FILE.onnx)")
-    if args.amp == "fp16" and not torch.cuda.is_available():
-        fail("--amp fp16 needs CUDA; on the CPU use --amp bf16 or no --amp")
-    model, classes = load_model(args.resume)
-    cityscapes = list(classes["names"]) == list(CLASS_NAMES)
-    if args.format == "labelid" and not cityscapes:
-        fail("--format labelid writes Cityscapes' labelIds, but this model's classes are not Cityscapes': use "
-             "--format trainid")
-    # The label maps' folder: Cityscapes' labelIds or trainIds, or the class indices of another model's classes.
-    label_folder = "labelIds" if args.format == "labelid" else "trainIds" if cityscapes else "labels"
-    images = find_images(args.inputs, args.output_dir)
-    inputs = {os.path.realpath(path) for path, _ in images}
+def check_outputs(args, images, label_folder):
+    """No output lands on an input: not on an image (checked by name), not on the checkpoint."""
+    paths.check_folder("--output-dir", args.output_dir, reads=[("--resume", args.resume)])
+    inputs = {os.path.realpath(path) for path, _ in images} | {os.path.realpath(args.resume)}
     for _, name in images:
         for path in output_paths(args.output_dir, name, args.what, label_folder).values():
             if os.path.realpath(path) in inputs:
-                fail(f"{path} is an input and would be overwritten: choose another --output-dir")
+                fail(f"{path} is an input and would be written over: choose another --output-dir")
 
-    # Under torchrun: each rank predicts every world_size-th image of the sorted list, so each image
-    # exactly once. The only collective is the count at the end: gloo, on CPU tensors, GPUs or not.
-    distributed = "RANK" in os.environ and "WORLD_SIZE" in os.environ
-    if distributed:
-        dist.init_process_group("gloo")
-    rank, world_size = recovery.get_rank(), recovery.get_world_size()
-    device = torch.device("cpu")
-    if torch.cuda.is_available():
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-        torch.cuda.set_device(device)
-        torch.backends.cudnn.benchmark = True
-    model.to(device)
-    amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.amp)
-    autocast = (functools.partial(torch.autocast, device.type, dtype=amp_dtype) if amp_dtype
-                else contextlib.nullcontext)
-    shard = images[rank::world_size]
+
+def predict_all(args, model, classes, shard, mode, device, autocast, label_folder):
+    """Predict this rank's images and write their files. -> (images written, images that could not be read)."""
     workers = args.workers if args.workers is not None else default_workers()
     loader = DataLoader(ImageFiles([path for path, _ in shard]), batch_size=None, num_workers=workers,
                         pin_memory=device.type == "cuda", worker_init_fn=recovery.ignore_sigint)
     palette = torch.zeros(256, 3, dtype=torch.uint8)
     palette[:len(classes["colors"])] = torch.tensor(classes["colors"], dtype=torch.uint8)
-    recovery.log(f"predicting {len(images)} images with {os.path.basename(args.resume)} "
-                 f"({inference.describe(mode)}), {world_size} process(es), device {device.type}")
-
     writer = concurrent.futures.ThreadPoolExecutor(max_workers=2)
-    writes, done, failed = [], 0, 0
+    writes, done, failed, world_size = [], 0, 0, recovery.get_world_size()
     start = last_report = time.time()
 
     def written(write):
@@ -277,8 +235,8 @@ def main(args):
         with autocast():
             predictions = inference.predict(model, normalize(stacked), mode).argmax(1).to(torch.uint8).cpu()
         for (index, image), prediction in zip(batch, predictions):
-            paths = output_paths(args.output_dir, shard[index][1], args.what, label_folder)
-            writes.append(writer.submit(write_outputs, prediction, image, paths, palette, args))
+            outputs = output_paths(args.output_dir, shard[index][1], args.what, label_folder)
+            writes.append(writer.submit(write_outputs, prediction, image, outputs, palette, args))
         while len(writes) > 4 * args.batch_size:  # the writer may lag; do not let images pile up in memory
             written(writes.pop(0))
         done += len(batch)
@@ -306,8 +264,50 @@ def main(args):
     for write in writes:
         written(write)
     writer.shutdown()
+    return done, failed
 
-    counts = torch.tensor([done, failed])
+
+@recovery.guarded("predict.py")  # a mistake ends in one line, said once (recovery.py)
+def main(args):
+    mode = inference.read_mode(args)
+    if args.export is not None:
+        if args.inputs or mode:
+            fail("--export writes the plain model and exits: give it no INPUT and no --eval-* flag")
+        model, _ = load_model(args.resume)
+        paths.check_file("--export", args.export, reads=[("--resume", args.resume)], replaceable=is_export)
+        export_onnx(model, args.export)
+        return
+    if not args.inputs:
+        fail("no INPUT: name image files, folders or glob patterns (or --export FILE.onnx)")
+    autocast = checks.autocast(args, torch.cuda.is_available())
+    model, classes = load_model(args.resume)
+    cityscapes = list(classes["names"]) == list(CLASS_NAMES)
+    if args.format == "labelid" and not cityscapes:
+        fail("--format labelid writes Cityscapes' labelIds, but this model's classes are not Cityscapes': use "
+             "--format trainid")
+    # The label maps' folder: Cityscapes' labelIds or trainIds, or the class indices of another model's classes.
+    label_folder = "labelIds" if args.format == "labelid" else "trainIds" if cityscapes else "labels"
+    images = find_images(args.inputs, args.output_dir)
+    check_outputs(args, images, label_folder)
+    paths.make_folder("--output-dir", args.output_dir)
+
+    # Under torchrun: each rank predicts every world_size-th image of the sorted list, so each image
+    # exactly once. The only collective is the count at the end: gloo, on CPU tensors, GPUs or not.
+    distributed = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    if distributed:
+        dist.init_process_group("gloo")
+    rank, world_size = recovery.get_rank(), recovery.get_world_size()
+    device = torch.device("cpu")
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+        torch.backends.cudnn.benchmark = True
+    model.to(device)
+    recovery.log(f"predicting {len(images)} images with {os.path.basename(args.resume)} "
+                 f"({inference.describe(mode)}), {world_size} process(es), device {device.type}")
+    start = time.time()
+    counts = torch.tensor(predict_all(args, model, classes, images[rank::world_size], mode, device, autocast,
+                                      label_folder))
     if distributed:
         dist.all_reduce(counts)  # the sum over ranks: each image counted once
         dist.destroy_process_group()
@@ -320,8 +320,4 @@ def main(args):
 
 
 if __name__ == "__main__":
-    parsed = get_args_parser().parse_args()
-    try:
-        main(parsed)
-    except recovery.UserError as error:  # from inference.read_mode
-        fail(error)
+    main(get_args_parser().parse_args())

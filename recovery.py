@@ -1,23 +1,21 @@
-"""Surviving faults, out of main.py's way: who speaks, one-line errors, signals, a lost peer, checkpoints.
+"""Surviving faults, out of main.py's way: who speaks, the one-line error channel, signals, a lost peer, and the
+ranks' agreement to stop.
 
-main.py calls it in a few places:
+    @recovery.guarded("main.py", folder="output_dir")   # a mistake -> one line, a lost peer -> which rank, exit 1
+    def main(args): ...
+    recovery.install_signal_handlers()        # SIGTERM / Ctrl-C: finish the step, save, exit 0
+    recovery.start_heartbeat()                # lets a rank name the peer it lost
+    vote = recovery.StopVote(device)          # each step: a signal or a NaN on any rank stops all, together
+    recovery.stop_in_epoch(...), recovery.stop_after_epoch(...)   # save and stop, or fail, every rank alike
 
-    @recovery.guarded                            # main(args) inside guard(): a mistake -> one line, a lost
-    def main(args): ...                          # peer -> which rank, exit 1
-        recovery.fail("...")                     # a mistake every rank finds the same way: rank 0 says it
-        recovery.install_signal_handlers()       # SIGTERM / Ctrl-C: finish the step, save, exit 0
-        recovery.start_heartbeat()               # lets a rank name the peer it lost
-        position, path = recovery.resume(...)    # --resume PATH|auto
-        recovery.save_checkpoint(state, path, keep_previous=True)
-
-A mistake the user can fix ends with `main.py: error: ...` on one line, said by the rank that met it, once:
-under torchrun a restarted worker does not repeat it (a restart is for a lost process or peer, not for a
-bad file). Only global rank 0 logs progress and writes files.
+A mistake the user can fix (paths.UserError, paths.BadInput) ends with `main.py: error: ...` (or
+`predict.py: error: ...`) on one line, said by the rank that met it, once: under torchrun a restarted worker
+does not repeat it (a restart is for a lost process or peer, not for a bad file). Only global rank 0 logs
+progress and writes files.
 """
 import functools
 import json
 import os
-import shutil
 import signal
 import sys
 import threading
@@ -30,13 +28,13 @@ from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
-from torch.utils.data.distributed import DistributedSampler
 
-from dataset import BadInput, Cityscapes
+import paths
+from paths import BadInput, UserError, fail
 
 # This module's state, in one place: set by main.py and the signal handler, read by the heartbeat.
 _state = SimpleNamespace(quiet=False, signal=None, signal_time=0.0, step=0, output_dir=None,
-                         started=time.time(), heartbeat=None)
+                         started=time.time(), heartbeat=None, program="main.py")
 
 
 # --- who speaks -------------------------------------------------------------------------------------------
@@ -65,19 +63,6 @@ def log(*message):
         print(*message, flush=True)
 
 
-class UserError(Exception):
-    """A mistake the user can fix. this_rank=False: every rank finds it the same way (a flag, the data folder,
-    a checkpoint), and rank 0 says it; True: only this rank meets it (its GPU), and this rank says it."""
-
-    def __init__(self, message, this_rank=False):
-        super().__init__(message)
-        self.this_rank = this_rank
-
-
-def fail(message, this_rank=False):
-    raise UserError(str(message), this_rank)
-
-
 def _one_line(error):
     """The message of a BadInput, also when a DataLoader worker raised it (then it is wrapped in the
     worker's traceback, and the message is its last line)."""
@@ -87,17 +72,18 @@ def _one_line(error):
 
 # --- the run, and how it ends ---------------------------------------------------------------------------
 @contextmanager
-def guard(output_dir):
-    """Around main.py's run: every way it can end becomes exit 0, or one line and exit 1.
+def guard(program, output_dir=None):
+    """Around a program's run: every way it can end becomes exit 0, or one line and exit 1.
 
-    - UserError (fail()): rank 0 prints it; every rank found it.
+    - UserError (fail()): rank 0 prints it when every rank found it; the rank that met it when only it did.
     - BadInput raised while training (a damaged file whose header was fine): the rank that read it prints
       it, whichever that is, and records it so that the peers waiting for this rank stay quiet and a
       torchrun restart does not repeat it.
     - A failed or timed-out collective: each waiting rank names the rank at fault from the heartbeats.
-    Anything else is a bug, not a mistake: its traceback is kept.
+    Anything else is a bug, not a mistake: its traceback is kept. output_dir: where a mistake is recorded for
+    the peers and restarts, and where the last checkpoint is (main.py's), or None (predict.py).
     """
-    _state.output_dir = output_dir
+    _state.program, _state.output_dir = program, output_dir
     _exit_if_stopped_before()
     try:
         yield
@@ -113,19 +99,22 @@ def guard(output_dir):
             raise
         if _peer_stopped_on_a_mistake():
             os._exit(1)  # the rank that met it said why; not sys.exit: a broken process group can hang
-        print(f"main.py: error: rank {get_rank()}: a collective failed or waited more than --dist-timeout "
-              f"({_one_line(error)[:160]}). {describe_peers()}. The last checkpoint: "
-              f"{os.path.join(output_dir, 'checkpoint.pth')}; restart with --resume auto", file=sys.stderr, flush=True)
+        last = (f" The last checkpoint: {os.path.join(output_dir, 'checkpoint.pth')}; {paths.resume_advice()}"
+                if output_dir else "")
+        print(f"{program}: error: rank {get_rank()}: a collective failed or waited more than --dist-timeout "
+              f"({_one_line(error)}). {describe_peers()}.{last}", file=sys.stderr, flush=True)
         os._exit(1)
 
 
-def guarded(main):
-    """main(args), run inside guard(args.output_dir)."""
-    @functools.wraps(main)
-    def run(args):
-        with guard(args.output_dir):
-            return main(args)
-    return run
+def guarded(program, folder=None):
+    """A decorator: main(args) run inside guard(program, args.<folder>)."""
+    def decorate(main):
+        @functools.wraps(main)
+        def run(args):
+            with guard(program, getattr(args, folder) if folder else None):
+                return main(args)
+        return run
+    return decorate
 
 
 def is_collective_failure(error):
@@ -156,20 +145,22 @@ def _stop_files():
     """Where a mistake is recorded: the output folder (shared by every node), and this machine's temporary
     folder for when the output folder cannot be written (a full disk)."""
     run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
-    return [os.path.join(_state.output_dir, ".stopped.json"),
-            os.path.join(tempfile.gettempdir(), f"deeplab-stopped-{run_id}.json")]
+    mine = os.path.join(tempfile.gettempdir(), f"deeplab-stopped-{run_id}.json")
+    return [os.path.join(_state.output_dir, ".stopped.json"), mine] if _state.output_dir else [mine]
 
 
 def _stop(message, say_it):
     """Say the one line, record it for the peers and for torchrun's restarts, exit 1."""
     if say_it:
-        print(f"main.py: error: {message}", file=sys.stderr, flush=True)
+        print(f"{_state.program}: error: {message}", file=sys.stderr, flush=True)
         if get_world_size() > 1 or "TORCHELASTIC_RUN_ID" in os.environ:
             record = {"run_id": os.environ.get("TORCHELASTIC_RUN_ID", ""), "time": time.time(), "message": message}
             for path in _stop_files():
                 try:
                     os.makedirs(os.path.dirname(path), exist_ok=True)
-                    _write_atomically(path, json.dumps(record).encode())
+                    with open(path + ".tmp", "w") as f:
+                        json.dump(record, f)
+                    os.replace(path + ".tmp", path)
                     break
                 except OSError:
                     pass  # nowhere to write: restarts may repeat the line, nothing worse
@@ -305,225 +296,74 @@ def describe_peers():
     return "every rank alive and at the same step: a rank is stuck inside a collective, or the network failed"
 
 
-# --- checkpoints ------------------------------------------------------------------------------------------
-def previous_path(path):
-    """checkpoint.pth -> checkpoint.prev.pth, in the same folder (the folder's own name is left alone)."""
-    stem, extension = os.path.splitext(path)
-    return stem + ".prev" + extension
+# --- stopping together ---------------------------------------------------------------------------------------
+class StopVote:
+    """Whether every rank should stop training, agreed after each step without stalling the GPU's queue.
+
+    Each step casts a vote (a signal reached this rank; its loss is NaN or infinite) in a small all_reduce (MAX)
+    queued behind the step, and reads the vote of the step before, which is long done by then. Reading a vote
+    at once would make the CPU wait for its whole step to finish before queueing the next: the GPU would idle
+    while the next batch is copied and its kernels launched. So every rank stops at the same step, one step
+    after the cause: a signal stops them within two steps, with a checkpoint; a NaN step is never saved. On
+    the CPU (gloo) the all_reduce is done when it returns, and the delay changes nothing."""
+
+    def __init__(self, device):
+        self.device, self.pending = device, None
+
+    def cast(self, loss):
+        """This step's vote. -> the previous step's decision: None, "signal" or "nonfinite"."""
+        votes = torch.stack([(~torch.isfinite(loss.detach())).float(),
+                             torch.full((), float(_state.signal is not None), device=self.device)])
+        if dist.is_initialized():
+            dist.all_reduce(votes, op=dist.ReduceOp.MAX)  # NCCL: queued on its stream, the CPU goes on
+        votes = votes.to("cpu", non_blocking=True)  # from the GPU: into pinned memory, when the step is done
+        done = None
+        if self.device.type == "cuda":
+            done = torch.cuda.Event()
+            done.record()
+        previous, self.pending = self.pending, (votes, done)
+        return self._decision(previous)
+
+    def result(self):
+        """The last step's decision, once the epoch's steps are queued."""
+        previous, self.pending = self.pending, None
+        return self._decision(previous)
+
+    @staticmethod
+    def _decision(vote):
+        if vote is None:
+            return None
+        votes, done = vote
+        if done is not None:
+            done.synchronize()  # the step before this one: done, or nearly
+        nonfinite, signal_seen = votes.tolist()
+        return "nonfinite" if nonfinite else "signal" if signal_seen else None
 
 
-def _write_atomically(path, data, before_rename=None):
-    """Write a temporary file, fsync, rename over path: a crash mid-write leaves the old file whole, and a
-    failed write (a full disk) leaves no half file behind. data: bytes, or a function that writes to a file."""
-    tmp = path + ".tmp"
-    try:
-        with open(tmp, "wb") as f:
-            data(f) if callable(data) else f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        if before_rename is not None:
-            before_rename()
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
-    directory = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
-    os.fsync(directory)  # the rename itself survives a power cut
-    os.close(directory)
+def stop_in_epoch(why, epoch, step, steps_per_epoch, checkpoint_path, save):
+    """Training stopped part-way through an epoch, every rank at the same step. "nonfinite": nothing is saved
+    (the last checkpoint is the last good one; a restart would meet the NaN again: exit 1). "signal": rank 0
+    saves the position (save(), called on rank 0 alone), every rank exits 0."""
+    if why == "nonfinite":
+        fail(f"the loss became NaN or infinite in epoch {epoch}: stopped without saving; "
+             f"{checkpoint_path if os.path.isfile(checkpoint_path) else 'no checkpoint'} is the last good one. "
+             "Try a lower --lr, or --amp bf16 instead of fp16")
+    if is_main_process():
+        save()
+    log(f"stopped by signal {stop_signal() or 'on another rank'} at epoch {epoch} step {step}/{steps_per_epoch}; "
+        f"saved {checkpoint_path}. To resume, {paths.resume_advice()}")
 
 
-def save_checkpoint(state, path, keep_previous=False):
-    """Written atomically. keep_previous: the checkpoint it replaces stays as *.prev.pth, a fallback. A write
-    that fails (a full disk) leaves the previous checkpoint as it was and ends the run in one line."""
-    def keep_previous_one():
-        if os.path.isfile(path):
-            previous = previous_path(path)
-            if os.path.exists(previous):
-                os.remove(previous)
-            os.link(path, previous)  # a second name for the old file: path exists throughout
-
-    try:
-        _write_atomically(path, lambda f: torch.save(state, f), keep_previous_one if keep_previous else None)
-    except (OSError, RuntimeError) as error:  # torch.save reports a failed write as a RuntimeError
-        folder = os.path.dirname(os.path.abspath(path))
-        kept = f"{path} is the last one written" if os.path.isfile(path) else "no checkpoint was kept"
-        fail(f"cannot write {path} ({getattr(error, 'strerror', None) or _one_line(error)[:100]}; "
-             f"{shutil.disk_usage(folder).free / 2**20:.0f} MiB free there): {kept}. Free space, then resume "
-             "with --resume auto")
-
-
-TRAINING_STATE = ("optimizer", "scaler", "epoch", "world_size", "batch_size")  # what resuming training needs
-
-
-def read_checkpoint(path):
-    """-> (checkpoint dict with at least "model", None) or (None, why it cannot be used). A bare state dict
-    (weights only, as torch.save(model.state_dict()) writes) is taken as {"model": it}."""
-    try:
-        # map_location="cpu": otherwise every rank loads onto the GPU the checkpoint was saved from
-        # (rank 0's), and that GPU holds a copy per rank. weights_only=True: a checkpoint is data, not code.
-        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as error:
-        return None, f"cannot be read ({_one_line(error)[:150]}): truncated or not a checkpoint"
-    if isinstance(checkpoint, dict) and checkpoint and all(isinstance(v, torch.Tensor) for v in checkpoint.values()):
-        checkpoint = {"model": checkpoint}
-    if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get("model"), dict):
-        return None, "holds no model weights (no 'model' state dict): it is not a checkpoint of main.py"
-    return checkpoint, None
-
-
-def find_checkpoint(resume, output_dir, evaluate=False):
-    """--resume PATH: that file, or a clear error. --resume auto: output_dir/checkpoint.pth, else the one
-    before it; with neither there, a fresh start (but -e has nothing to evaluate). A file there that cannot
-    be read, with no usable one before it, stops the run: those files are evidence, not to be replaced.
-    -> (checkpoint, path) or (None, "")."""
-    if resume != "auto":
-        if not os.path.isfile(resume):
-            fail(f"--resume {resume}: no such file")
-        checkpoint, problem = read_checkpoint(resume)
-        if problem:
-            fail(f"--resume {resume} {problem}")
-        return checkpoint, resume
-    problems = []
-    for name in ("checkpoint.pth", "checkpoint.prev.pth"):
-        path = os.path.join(output_dir, name)
-        if os.path.isfile(path):
-            checkpoint, problem = read_checkpoint(path)
-            if checkpoint is not None:
-                if problems:
-                    log(f"warning: {problems[0]}; using the one before it, {path}")
-                return checkpoint, path
-            problems.append(f"{path} {problem}")
-    if problems:
-        fail(f"--resume auto: {'; '.join(problems)}. Nothing usable to resume from, and these files are kept: "
-             "move them aside to start afresh, or give --resume a good checkpoint")
-    if evaluate:
-        fail(f"-e --resume auto: no checkpoint in {output_dir} to evaluate; give --resume PATH")
-    log(f"no checkpoint in {output_dir}: starting afresh")
-    return None, ""
-
-
-def classes_of(checkpoint):
-    """The class names a checkpoint was trained for: main.py saves them; one saved before it did was trained
-    on Cityscapes; weights alone (a bare state dict) do not say (None)."""
-    if "classes" in checkpoint:
-        return list(checkpoint["classes"]["names"])
-    return list(Cityscapes.classes["names"]) if "args" in checkpoint else None
-
-
-def _check_model_name(checkpoint, flag, path, model_name):
-    saved = checkpoint.get("args", {}).get("model")
-    if saved and saved != model_name:
-        fail(f"{flag} {path} holds a {saved} model, but this run builds {model_name}: pass --model {saved}")
-
-
-def _load_fitting(model, weights, flag, path, model_name):
-    """Load weights that must fit the model exactly; else one line that says how they differ."""
-    own = model.state_dict()
-    wrong = [f"{k} {tuple(v.shape)} vs {tuple(own[k].shape)}" for k, v in weights.items()
-             if k in own and v.shape != own[k].shape]
-    missing, unexpected = own.keys() - weights.keys(), weights.keys() - own.keys()
-    if wrong or missing or unexpected:
-        fail(f"{flag} {path} does not fit {model_name}: {len(wrong)} tensors of another shape (e.g. {wrong[:1]}), "
-             f"{len(missing)} missing, {len(unexpected)} unexpected")
-    model.load_state_dict(weights)
-
-
-def load_model_state(model, checkpoint, path, model_name, classes):
-    """--resume: the model of the run to continue or evaluate, trained for the classes of --data."""
-    _check_model_name(checkpoint, "--resume", path, model_name)
-    theirs = classes_of(checkpoint)
-    if theirs is not None and theirs != list(classes["names"]):
-        fail(f"--resume {path} was trained for {len(theirs)} classes ({', '.join(theirs[:3])}, ...), but --data has "
-             f"{len(classes['names'])} others ({', '.join(classes['names'][:3])}, ...): use the model on its own "
-             f"data, or fine-tune it on this data with --weights {path}")
-    _load_fitting(model, checkpoint["model"], "--resume", path, model_name)
-
-
-def load_weights(model, path, model_name, classes):
-    """--weights: start from a trained model (fine-tuning). A classifier trained for other classes (another
-    number, or other names) is left as built, freshly initialised, and a line says so; the rest must fit."""
-    if not os.path.isfile(path):
-        fail(f"--weights {path}: no such file")
-    checkpoint, problem = read_checkpoint(path)
-    if problem:
-        fail(f"--weights {path} {problem}")
-    _check_model_name(checkpoint, "--weights", path, model_name)
-    weights, own = dict(checkpoint["model"]), model.state_dict()
-    theirs = classes_of(checkpoint)
-    head = [key for key in ("classifier.weight", "classifier.bias") if key in weights and key in own]
-    if any(weights[key].shape != own[key].shape for key in head) or theirs not in (None, list(classes["names"])):
-        before = f"{len(theirs)} classes ({', '.join(theirs[:3])}, ...)" if theirs else "other classes"
-        for key in head:
-            weights[key] = own[key]
-        log(f"--weights {path}: its classifier, trained for {before}, does not fit the {len(classes['names'])} "
-            f"classes of --data and starts afresh; every other layer starts from {path}")
-    else:
-        log(f"--weights {path}: every layer starts from it")
-    _load_fitting(model, weights, "--weights", path, model_name)
-
-
-def resume(args, model, optimizer, scaler, world_size, classes):
-    """--resume PATH|auto (or none): load the model and, when training, the optimizer, GradScaler and position.
-    -> ({"epoch", "step", "best_miou", "epoch_loss_sum"}, the checkpoint's path or "")."""
-    position = {"epoch": args.start_epoch, "step": 0, "best_miou": float("-inf"), "epoch_loss_sum": 0.0}
-    checkpoint, path = find_checkpoint(args.resume, args.output_dir, args.evaluate) if args.resume else (None, "")
-    if checkpoint is None:
-        return position, ""
-    load_model_state(model, checkpoint, path, args.model, classes)
-    if args.evaluate:  # the weights are all -e needs
-        return position, path
-    if args.start_epoch and args.resume != "auto":
-        fail(f"--start-epoch {args.start_epoch} with --resume: {path} says where to start (epoch "
-             f"{checkpoint.get('epoch', '?')}); drop --start-epoch")
-    if args.start_epoch:  # --resume auto (run.sh, a restart): the checkpoint wins, and that is said
-        log(f"note: --start-epoch {args.start_epoch} is ignored: {path} says where to continue")
-    missing = [key for key in TRAINING_STATE if key not in checkpoint]
-    if missing:
-        fail(f"--resume {path} holds no {', '.join(missing)}: it has weights only (evaluate it with -e); to "
-             "continue training, resume a checkpoint.pth that main.py wrote")
-    where = f"epoch {checkpoint['epoch']}" + (f" step {checkpoint['step']}" if checkpoint.get("step") else "")
-    log(f"resuming from {path} at {where}, best mIoU {checkpoint.get('best_miou', float('nan')):.4f}")
-    optimizer.load_state_dict(checkpoint["optimizer"])
-    if checkpoint["scaler"] and scaler.is_enabled():  # empty when saved without --amp fp16
-        scaler.load_state_dict(checkpoint["scaler"])
-    position = {key: checkpoint.get(key, default) for key, default in position.items()}
-    position["epoch"] = checkpoint["epoch"]
-    before = (checkpoint["world_size"], checkpoint["batch_size"])
-    if before != (world_size, args.batch_size):
-        # Another order of images: finish the epoch from the same number of images seen.
-        position["step"] = position["step"] * before[0] * before[1] // (world_size * args.batch_size)
-        log(f"note: the checkpoint was trained with {before[0]} process(es) x {before[1]} images; this run has "
-            f"{world_size} x {args.batch_size}. It continues at the same epoch and learning-rate position, but "
-            "not bitwise as an uninterrupted run would")
-    return position, path
-
-
-class ResumableSampler(DistributedSampler):
-    """PyTorch's DistributedSampler, able to begin an epoch part-way: a run resumed in the middle of an epoch
-    skips the batches it has seen (set `skip` to their number of samples), through the same DataLoader and
-    its persistent workers. The order is DistributedSampler's own, so the rest is what the stopped run
-    would have seen."""
-    skip = 0
-
-    def __iter__(self):
-        indices = list(super().__iter__())
-        return iter(indices[self.skip:])
-
-    def __len__(self):
-        return super().__len__() - self.skip
-
-
-def trim_metrics(path, epoch):
-    """Cut metrics.jsonl back to the epochs before `epoch`: a resumed run writes the later ones again."""
-    if not os.path.isfile(path):
-        return
-    kept = []
-    with open(path) as f:
-        for line in f:
-            try:
-                if json.loads(line)["epoch"] < epoch:
-                    kept.append(line)
-            except (ValueError, KeyError, TypeError):
-                pass  # a line cut short by a crash: it belonged to the epoch being redone
-    _write_atomically(path, "".join(kept).encode())
+def stop_after_epoch(problem, device, checkpoint_path):
+    """After an epoch's files (rank 0 wrote them; problem: why it could not, or None), every rank learns whether
+    rank 0 failed to write (all stop with its line, exit 1) and whether a signal came during the evaluation
+    (all stop, exit 0). -> whether to stop."""
+    flags = torch.tensor([stop_signal() is not None, problem is not None], dtype=torch.float32, device=device)
+    if dist.is_initialized():
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    signal_seen, write_failed = flags.tolist()
+    if write_failed:
+        fail(problem or "rank 0 could not write this epoch's files")
+    if signal_seen:
+        log(f"stopped by signal after an epoch; saved {checkpoint_path}. To resume, {paths.resume_advice()}")
+    return bool(signal_seen)

@@ -15,6 +15,8 @@ set -euo pipefail
 cd "$(dirname "$0")"
 
 fail() { echo "run.sh: error: $*" >&2; exit 1; }
+# main.py's advice then names what the user typed here (OUTPUT_DIR, DATA, ./run.sh again), not the flags made of it.
+export DEEPLAB_RUN_SH=1
 # A whole number of at least $2 in variable $1, or one line naming it.
 need_number() {
   [[ "${!1}" =~ ^[0-9]+$ ]] && [ "${!1}" -ge "$2" ] || fail "$1=${!1}: give a whole number of at least $2"
@@ -36,7 +38,11 @@ for VAR in NODE_RANK MAX_RESTARTS; do need_number "$VAR" 0; done
 [ "$MASTER_PORT" -le 65535 ] || fail "MASTER_PORT=$MASTER_PORT: a port is at most 65535"
 [ -z "${NPROC:-}" ] || need_number NPROC 1
 
-NGPU=$("$PYTHON" -c "import torch; print(torch.cuda.device_count())")
+if [ "${CUDA_VISIBLE_DEVICES-unset}" = "" ]; then
+  NGPU=0  # GPUs hidden on purpose: no need to start Python to count them
+else
+  NGPU=$("$PYTHON" -c "import torch; print(torch.cuda.device_count())")
+fi
 if [ "$NGPU" -gt 0 ]; then
   NPROC=${NPROC:-$NGPU}
   [ "$NPROC" -le "$NGPU" ] || fail "NPROC=$NPROC but $NGPU GPU(s) visible: one process per GPU at most"
@@ -47,7 +53,7 @@ else
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$THREADS}
 fi
 
-# Real data: Cityscapes, or your own (images/, masks/ and classes.json, README.md "Your own data"; main.py
+# Real data: Cityscapes, or your own (images/, masks/ and classes.json, docs/your-data.md; main.py
 # names what is missing there).
 if compgen -G "$DATA/leftImg8bit/train/*/*_leftImg8bit.png" >/dev/null || [ -f "$DATA/classes.json" ] \
     || [ -d "$DATA/images" ]; then
@@ -61,12 +67,9 @@ if compgen -G "$DATA/leftImg8bit/train/*/*_leftImg8bit.png" >/dev/null || [ -f "
   fi
   ARGS=(-b "$BATCH")
 else
-  echo "run.sh: no Cityscapes in $DATA (README.md says how to get it); training a demo on a synthetic set"
-  if [ ! -d "$SYNTHETIC" ]; then
-    # Write into a temporary folder and rename: an interrupted run never leaves half a data set.
-    rm -rf "$SYNTHETIC.tmp"
-    "$PYTHON" dataset.py --synthetic "$SYNTHETIC.tmp" --num-train 300 --num-val 60 --size 192 96
-    mv "$SYNTHETIC.tmp" "$SYNTHETIC"
+  echo "run.sh: no Cityscapes in $DATA (docs/cityscapes.md says how to get it); training a demo on a synthetic set"
+  if [ ! -d "$SYNTHETIC" ]; then  # written whole or not at all (synthetic.py: a temporary folder, renamed)
+    "$PYTHON" synthetic.py "$SYNTHETIC" --num-train 300 --num-val 60 --size 192 96 -j "$(nproc)"
   fi
   DATA=$SYNTHETIC
   # Sized to end within 5 minutes on a slow 2-core CPU: 7 epochs of 96x96 crops, from scratch, without

@@ -9,7 +9,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from dataset import write_synthetic  # noqa: E402
+from synthetic import write_synthetic  # noqa: E402
 
 # Tiny everything: 64x32 images, a MobileNet DeepLab, one thread per process.
 TRAIN_ARGS = ["--model", "deeplabv3plus_mobilenet_v3_large", "--crop-size", "32", "-b", "2", "-j", "0",
@@ -96,7 +96,7 @@ def trained(tiny_data, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def folder_data(tmp_path_factory):
-    """Your own data as dataset.py --layout folder writes it: 8 train and 5 val JPEGs, palette masks, and
+    """Your own data as synthetic.py --layout folder writes it: 8 train and 5 val JPEGs, palette masks, and
     classes.json with Cityscapes' 7 categories as the classes."""
     root = str(tmp_path_factory.mktemp("own_data"))
     write_synthetic(root, num_train=8, num_val=5, size=(64, 32), seed=3, layout="folder")

@@ -12,8 +12,10 @@ from PIL import Image
 from torchvision.transforms.v2 import functional as F
 
 import dataset
-from dataset import (ID_TO_TRAINID, IGNORE_INDEX, MEAN, STD, TRAINID_TO_ID, BadInput, Cityscapes, draw_street,
-                     normalize, read_image, read_label, sample_generator, train_transform, write_synthetic)
+import images
+from dataset import (ID_TO_TRAINID, IGNORE_INDEX, MEAN, STD, TRAINID_TO_ID, BadInput, Cityscapes, normalize,
+                     read_image, read_label, sample_generator, train_transform)
+from synthetic import draw_street, write_synthetic
 
 # The official table (cityscapesScripts labels.py), typed here independently of the code.
 OFFICIAL_TRAIN_IDS = {7: 0, 8: 1, 11: 2, 12: 3, 13: 4, 17: 5, 19: 6, 20: 7, 21: 8, 22: 9, 23: 10, 24: 11, 25: 12,
@@ -117,10 +119,10 @@ def test_normalize_equals_torchvision_float_conversion_on_every_device():
     batch = torch.randint(0, 256, (2, 3, 8, 16), dtype=torch.uint8, generator=generator)
     devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
     for device in devices:
-        for images in (batch.to(device), batch[0].to(device)):
-            out = normalize(images)
-            assert out.dtype == torch.float32 and out.device == images.device
-            assert torch.equal(out, F.normalize(F.to_dtype(images, torch.float32, scale=True), MEAN, STD))
+        for pixels in (batch.to(device), batch[0].to(device)):
+            out = normalize(pixels)
+            assert out.dtype == torch.float32 and out.device == pixels.device
+            assert torch.equal(out, F.normalize(F.to_dtype(pixels, torch.float32, scale=True), MEAN, STD))
 
 
 def test_photo_frames_are_photo_sized_with_the_scene_labels(tmp_path):
@@ -137,7 +139,7 @@ def test_photo_frames_are_photo_sized_with_the_scene_labels(tmp_path):
 @pytest.mark.parametrize("decoder", ["torchcodec", "PIL"])
 def test_decoded_pixels_and_label_indices_are_bitwise_pil_s(tmp_path, monkeypatch, decoder):
     if decoder == "PIL":  # what decodes where torchcodec is not installed
-        monkeypatch.setattr(dataset, "_torchcodec_decode", None)
+        monkeypatch.setattr(images, "_torchcodec_decode", None)
     else:
         pytest.importorskip("torchcodec")
     image, label_ids = draw_street(np.random.default_rng(2), 128, 64, photo=True)
@@ -277,3 +279,46 @@ def test_prepare_cache_fills_the_cache_that_training_reads(tiny_data, tmp_path):
     assert len(glob.glob(os.path.join(cache_dir, "*.npy"))) == 2 * (8 + 5)
     data = Cityscapes(tiny_data, "train", crop_size=(24, 24), cache_dir=cache_dir)
     assert all(isinstance(array, np.memmap) for index in range(len(data)) for array in data.frame(index))
+
+
+def _png16(path, values, colour_type):
+    """A 16-bit PNG written by hand (PIL writes 16-bit greyscale only): colour type 0 grey, 2 RGB, 4 grey+alpha,
+    6 RGBA; values (H, W, channels) uint16."""
+    import struct
+    import zlib
+    height, width = values.shape[:2]
+    rows = b"".join(b"\x00" + values[y].astype(">u2").tobytes() for y in range(height))
+
+    def chunk(kind, data):
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xffffffff)
+    with open(path, "wb") as f:
+        f.write(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 16, colour_type, 0, 0, 0))
+                + chunk(b"IDAT", zlib.compress(rows)) + chunk(b"IEND", b""))
+
+
+def test_every_mode_and_bit_depth_decodes_to_the_same_pixels_in_training_and_in_predict_py(tmp_path, monkeypatch):
+    import predict
+    rng = np.random.default_rng(0)
+    rgb = Image.fromarray(rng.integers(0, 256, (5, 7, 3), dtype=np.uint8))
+    for mode in ("RGB", "RGBA", "L", "LA", "P", "1"):
+        rgb.convert(mode).save(tmp_path / f"{mode}.png")
+    rgb.convert("P").save(tmp_path / "P-transparent.png", transparency=3)
+    for mode in ("RGB", "L", "CMYK"):
+        rgb.convert(mode).save(tmp_path / f"{mode}.jpg")
+    for name in ("x.webp", "x.bmp", "x.tiff"):
+        rgb.save(tmp_path / name)
+    grey16 = np.array([[0, 1000, 32896, 65535]], np.uint16)
+    Image.fromarray(grey16).save(tmp_path / "I16.png")
+    for colour_type, channels in ((2, 3), (4, 2), (6, 4)):
+        _png16(tmp_path / f"16bit-{colour_type}.png", rng.integers(0, 65536, (5, 7, channels)).astype(np.uint16),
+               colour_type)
+    paths = sorted(str(p) for p in tmp_path.iterdir())
+    with_torchcodec = [images.read_image(p) for p in paths]
+    monkeypatch.setattr(images, "_torchcodec_decode", None)  # where torchcodec is not installed
+    for path, expected in zip(paths, with_torchcodec):
+        assert np.array_equal(images.read_image(path), expected), path
+    predicted = predict.ImageFiles(paths)  # what predict.py decodes, in its workers
+    for index, (path, expected) in enumerate(zip(paths, with_torchcodec)):
+        assert torch.equal(predicted[index][1], torch.from_numpy(np.ascontiguousarray(expected)).permute(2, 0, 1)), path
+    # 16 bits scaled to 8, not clipped: 1000 / 257 is 3.9
+    assert images.read_image(str(tmp_path / "I16.png"))[0, :, 0].tolist() == [0, 4, 128, 255]

@@ -10,8 +10,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Subset
 from torch.utils.data.distributed import DistributedSampler
 
+import checkpoints
 import main
-import recovery
 from dataset import IGNORE_INDEX, NUM_CLASSES, Cityscapes
 from models import build_model
 
@@ -159,10 +159,10 @@ def test_loss_ignores_255_and_is_finite_on_an_all_ignored_crop():
 
 def test_a_failed_checkpoint_write_leaves_the_previous_one_whole(tmp_path):
     path = str(tmp_path / "checkpoint.pth")
-    recovery.save_checkpoint({"model": {"w": torch.ones(3)}, "epoch": 1}, path, keep_previous=True)
-    recovery.save_checkpoint({"model": {"w": torch.full((3,), 2.0)}, "epoch": 2}, path, keep_previous=True)
+    checkpoints.save({"model": {"w": torch.ones(3)}, "epoch": 1}, path, keep_previous=True)
+    checkpoints.save({"model": {"w": torch.full((3,), 2.0)}, "epoch": 2}, path, keep_previous=True)
     with pytest.raises(Exception):  # dies half-way through writing: a lambda cannot be saved
-        recovery.save_checkpoint({"model": {"w": torch.zeros(1000)}, "epoch": 3, "bad": lambda: 0}, path,
+        checkpoints.save({"model": {"w": torch.zeros(1000)}, "epoch": 3, "bad": lambda: 0}, path,
                              keep_previous=True)
     assert torch.load(path, weights_only=True)["epoch"] == 2
     assert torch.load(str(tmp_path / "checkpoint.prev.pth"), weights_only=True)["epoch"] == 1

@@ -1,6 +1,7 @@
 """A user's mistakes end in one line that names them, before any work, and leave a previous run's files as
 they were. Flags and paths are checked in-process (no process started); run.sh's variables by run.sh."""
 import hashlib
+import json
 import os
 import shutil
 import subprocess
@@ -8,8 +9,9 @@ import subprocess
 import pytest
 import torch
 
+import checkpoints
 import main
-import recovery
+import paths
 from conftest import ROOT, TRAIN_ARGS
 
 
@@ -98,8 +100,9 @@ def test_choices_that_cannot_work_here(tiny_data, tmp_path, previous_run, capsys
         (["--dist-backend", "nccl"], "--dist-backend nccl needs CUDA"),
         (["--crop-size", "16", "-b", "1"], "too little for BatchNorm"),
         (["--scale-range", "2", "0.5"], "the first is the smallest scale"),
-        (["--pretrained-backbone", str(empty)], "empty.pth cannot be read"),
-        (["--pretrained-backbone", str(listing)], "list.pth holds no state dict"),
+        # A fresh start's backbone (a run that resumes never reads it): into a new folder.
+        (["--pretrained-backbone", str(empty), "--output-dir", str(tmp_path / "new")], "empty.pth cannot be read"),
+        (["--pretrained-backbone", str(listing), "--output-dir", str(tmp_path / "new")], "list.pth holds no state dict"),
         (["--output-dir", os.path.join(previous_run, "metrics.jsonl")], "is a file, not a folder"),
         (["--save-predictions", os.path.join(previous_run, "best.pth")], "is a file, not a folder"),
         (["--output-dir", os.path.join(previous_run, "best.pth", "sub")], "cannot be written"),
@@ -119,8 +122,7 @@ def test_a_previous_run_is_never_replaced_without_a_word(tiny_data, previous_run
     assert _snapshot(previous_run) == before
 
 
-def test_overwrite_replaces_a_previous_run_and_resume_auto_does_not_without_a_checkpoint(tiny_data, previous_run,
-                                                                                        capsys):
+def test_overwrite_moves_a_previous_run_aside_and_resume_auto_does_not_replace_it(tiny_data, previous_run, capsys):
     os.remove(os.path.join(previous_run, "checkpoint.pth"))  # best.pth and metrics.jsonl stay: a run all the same
     before = _snapshot(previous_run)
     common = ["--data", tiny_data, "--output-dir", previous_run, *TRAIN_ARGS, "--epochs", "1", "--resume", "auto"]
@@ -128,17 +130,25 @@ def test_overwrite_replaces_a_previous_run_and_resume_auto_does_not_without_a_ch
     assert "holds another run" in line and "no checkpoint to continue from" in line, line
     assert _snapshot(previous_run) == before
     main.main(main.get_args_parser().parse_args(common + ["--overwrite"]))  # as ./run.sh --overwrite runs it
-    assert "resuming" not in capsys.readouterr().out
+    said = capsys.readouterr().out
+    [moved] = [os.path.join(os.path.dirname(previous_run), name) for name in os.listdir(os.path.dirname(previous_run))
+               if name.startswith("out.replaced-")]
+    assert "resuming" not in said and f"is now in {moved}" in said, said
+    assert _snapshot(moved) == before  # nothing deleted: the old run whole, pictures included, beside the new one
     with open(os.path.join(previous_run, "metrics.jsonl")) as f:
-        assert [line.startswith('{"epoch": 0') for line in f] == [True]  # the old run's lines are gone
-    assert recovery.read_checkpoint(os.path.join(previous_run, "best.pth"))[0]["epoch"] == 1
+        assert [line.startswith('{"epoch": 0') for line in f] == [True]  # the new run's lines only
+    assert os.listdir(os.path.join(previous_run, "vis")) == ["epoch_000.png"]
+    assert checkpoints.read("--resume", os.path.join(previous_run, "best.pth"))["epoch"] == 1
 
 
 def test_a_torn_metrics_line_is_dropped_on_resume(tmp_path):
     path = str(tmp_path / "metrics.jsonl")
     with open(path, "w") as f:
         f.write('{"epoch": 0, "miou": 0.5}\n{"epoch": 1, "miou": 0.6}\n{"epoch": 2, "mi')  # killed mid-line
-    recovery.trim_metrics(path, 2)
+    kept, dropped = checkpoints._split_metrics(path, 2)
+    assert dropped == []
+    with open(path, "w") as f:
+        f.write("".join(kept))
     with open(path) as f:
         assert f.read() == '{"epoch": 0, "miou": 0.5}\n{"epoch": 1, "miou": 0.6}\n'
 
@@ -173,14 +183,14 @@ def test_an_empty_checkpoint_falls_back_to_the_one_before(trained, tmp_path, cap
     shutil.copytree(trained, out)
     shutil.copy(os.path.join(out, "checkpoint.pth"), os.path.join(out, "checkpoint.prev.pth"))
     open(os.path.join(out, "checkpoint.pth"), "wb").close()  # 0 bytes
-    checkpoint, path = recovery.find_checkpoint("auto", out)
+    checkpoint, path = checkpoints._find_in_run(out, evaluate=False)
     assert path.endswith("checkpoint.prev.pth") and checkpoint["epoch"] == 1
 
 
 def test_a_full_disk_keeps_the_previous_checkpoint_and_no_half_file(tmp_path, monkeypatch, capsys):
     path = str(tmp_path / "checkpoint.pth")
-    recovery.save_checkpoint({"epoch": 1}, path, keep_previous=True)
-    recovery.save_checkpoint({"epoch": 2}, path, keep_previous=True)
+    checkpoints.save({"epoch": 1}, path, keep_previous=True)
+    checkpoints.save({"epoch": 2}, path, keep_previous=True)
     before = _snapshot(str(tmp_path))
 
     def full_disk(state, f):
@@ -188,8 +198,8 @@ def test_a_full_disk_keeps_the_previous_checkpoint_and_no_half_file(tmp_path, mo
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(torch, "save", full_disk)
-    with pytest.raises(recovery.UserError) as error:
-        recovery.save_checkpoint({"epoch": 3}, path, keep_previous=True)
+    with pytest.raises(paths.UserError) as error:
+        checkpoints.save({"epoch": 3}, path, keep_previous=True)
     assert "No space left on device" in str(error.value) and "checkpoint.pth is the last one written" in str(error.value)
     assert _snapshot(str(tmp_path)) == before  # no .tmp left, checkpoint.pth and .prev.pth as they were
 
@@ -242,3 +252,312 @@ def test_run_sh_variables_are_checked_before_anything_runs(variables, expect, pr
     output = result.stdout + result.stderr
     assert result.returncode == 1 and output.strip() == f"run.sh: error: {expect}", output
     assert _snapshot(previous_run) == before
+
+
+# --- nothing the user made is written over: what a command reads, and where it writes -------------------------
+def _fingerprint(*folders):
+    return {folder: _snapshot(folder) for folder in folders}
+
+
+def test_the_advice_for_a_model_of_other_classes_leads_to_a_command_that_works(trained, folder_data, tmp_path,
+                                                                                capsys):
+    out, new = str(tmp_path / "run"), str(tmp_path / "fine_tuned")
+    shutil.copytree(trained, out)  # a Cityscapes run (19 classes), to continue on a data set of 7 classes
+    before = _fingerprint(out, folder_data)
+    common = ["--data", folder_data, *TRAIN_ARGS, "--epochs", "1"]
+    line = _main_fails(common + ["--output-dir", out, "--resume", "auto"], capsys)
+    weights = os.path.join(out, "checkpoint.pth")
+    assert f"fine-tune it on this data into a new output folder: --weights {weights} --output-dir NEW" in line, line
+    line = _main_fails(common + ["--output-dir", out, "--weights", weights], capsys)
+    assert "holds another run" in line, line  # the same folder: refused, as another run is
+    line = _main_fails(common + ["--output-dir", out, "--weights", weights, "--overwrite"], capsys)
+    assert "belongs to the run that --overwrite moves aside" in line and "another --output-dir" in line, line
+    assert _fingerprint(out, folder_data) == before  # none of the three touched a file
+    main.main(main.get_args_parser().parse_args(common + ["--output-dir", new, "--weights", weights]))  # the advice
+    assert "starts afresh" in capsys.readouterr().out
+    assert _fingerprint(out, folder_data) == before and os.path.isfile(os.path.join(new, "best.pth"))
+
+
+def test_under_run_sh_the_advice_names_its_variables(tiny_data, previous_run, monkeypatch, capsys):
+    monkeypatch.setenv("DEEPLAB_RUN_SH", "1")  # as run.sh sets it
+    os.remove(os.path.join(previous_run, "checkpoint.pth"))
+    line = _main_fails(["--data", tiny_data, "--output-dir", previous_run, *TRAIN_ARGS, "--resume", "auto"], capsys)
+    assert f"OUTPUT_DIR {previous_run} holds another run" in line and "choose another OUTPUT_DIR" in line, line
+    assert "./run.sh --overwrite" in line and "--output-dir" not in line and "--resume auto" not in line, line
+
+
+@pytest.mark.parametrize("where, flag", [("data", "--output-dir"), ("data/leftImg8bit", "--output-dir"),
+                                         ("data/gtFine/val", "--save-predictions"), ("data", "--cache-dir")])
+def test_no_output_lands_in_the_data_set(tiny_data, tmp_path, where, flag, capsys):
+    data = str(tmp_path / "data")
+    shutil.copytree(tiny_data, data)
+    before = _snapshot(data)
+    target = str(tmp_path / where)
+    argv = ["--data", data, *TRAIN_ARGS, "--epochs", "1", flag, target]
+    if flag != "--output-dir":
+        argv += ["--output-dir", str(tmp_path / "out")]
+    line = _main_fails(argv, capsys)
+    assert f"{flag} {target} is" in line and f"--data {data}, which this command reads" in line, line
+    assert _snapshot(data) == before and not os.path.exists(tmp_path / "out")
+
+
+def test_reads_are_checked_before_anything_is_moved_or_written(tiny_data, trained, tmp_path, previous_run, capsys):
+    before = _snapshot(previous_run)
+    for extra, expect in [(["--weights", str(tmp_path / "gone.pth")], "gone.pth: no such file"),
+                          (["--weights", trained], f"--weights {trained} is a folder, not a checkpoint: give a "
+                                                   f"checkpoint file, such as {os.path.join(trained, 'best.pth')}"),
+                          (["--data", str(tmp_path / "nowhere")], "not found")]:
+        argv = ["--data", tiny_data, "--output-dir", previous_run, *TRAIN_ARGS, "--overwrite", *extra]
+        line = _main_fails(argv, capsys)
+        assert expect in line, (extra, line)
+        assert _snapshot(previous_run) == before  # --overwrite moved nothing: a read failed first
+    assert not [name for name in os.listdir(tmp_path) if ".replaced-" in name]
+
+
+def test_missing_folders_are_made_and_a_place_that_cannot_be_is_named(tiny_data, tmp_path, capsys):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a folder")
+    line = _main_fails(["--data", tiny_data, "--output-dir", str(blocker / "runs" / "x"), *TRAIN_ARGS], capsys)
+    assert f"cannot be written ({blocker} is a file)" in line, line
+    out = tmp_path / "runs" / "deep" / "x"
+    main.main(main.get_args_parser().parse_args(["--data", tiny_data, "--output-dir", str(out), *TRAIN_ARGS,
+                                                 "--check-only", "1"]))
+    assert not out.exists()  # the preflight writes nothing
+    main.main(main.get_args_parser().parse_args(["--data", tiny_data, "--output-dir", str(out), *TRAIN_ARGS,
+                                                 "--epochs", "1", "--save-predictions", str(tmp_path / "p" / "q")]))
+    assert (out / "best.pth").is_file() and len(os.listdir(tmp_path / "p" / "q")) == 5
+
+
+def test_a_rewind_keeps_what_it_drops_and_says_so(tiny_data, tmp_path, capsys):
+    out = str(tmp_path / "out")
+    common = ["--data", tiny_data, "--output-dir", out, *TRAIN_ARGS, "--epochs", "2"]
+    main.main(main.get_args_parser().parse_args(common))
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        lines = f.readlines()
+    newer = _snapshot(out)
+    capsys.readouterr()
+    main.main(main.get_args_parser().parse_args(common + ["--resume", os.path.join(out, "checkpoint.prev.pth")]))
+    said = capsys.readouterr().out
+    assert "rewinds this run; what came after it is kept" in said and "1 later epoch(s)" in said, said
+    names = os.listdir(out)
+    [checkpoint] = [n for n in names if n.startswith("checkpoint.rewound-")]
+    [metrics] = [n for n in names if n.startswith("metrics.rewound-")]
+    with open(os.path.join(out, checkpoint), "rb") as f:  # the later checkpoint, byte for byte
+        assert hashlib.sha1(f.read()).hexdigest() == newer["checkpoint.pth"]
+    with open(os.path.join(out, metrics)) as f:
+        assert f.readlines() == lines[1:]  # the dropped line, as it was
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        assert [json.loads(line)["epoch"] for line in f] == [0, 1]  # epoch 1 done again, once
+
+
+def test_a_folder_or_a_ddp_state_dict_or_backbone_weights_given_as_a_checkpoint(tiny_data, trained, tmp_path,
+                                                                                 capsys):
+    common = ["--data", tiny_data, "--output-dir", str(tmp_path / "out"), *TRAIN_ARGS]
+    line = _main_fails(common + ["-e", "--resume", trained], capsys)
+    assert f"--resume {trained} is a folder, not a checkpoint" in line, line
+    weights = torch.load(os.path.join(trained, "best.pth"), weights_only=True)["model"]
+    wrapped = str(tmp_path / "ddp.pth")  # torch.save(ddp_model.state_dict()): every key "module.…"
+    torch.save({f"module.{key}": value for key, value in weights.items()}, wrapped)
+    main.main(main.get_args_parser().parse_args(common + ["-e", "--resume", wrapped]))
+    assert "mIoU" in capsys.readouterr().out
+    backbone = str(tmp_path / "mobilenet_v3_large.pth")  # a classification network's weights, as torchvision's
+    torch.save({"features.0.0.weight": torch.zeros(16, 3, 3, 3), "classifier.0.weight": torch.zeros(1280, 960)},
+               backbone)
+    line = _main_fails(common[:3] + [str(tmp_path / "new")] + common[4:] + ["--weights", backbone], capsys)
+    assert "holds the weights of a classification network" in line and f"--pretrained-backbone {backbone}" in line
+
+
+def test_torch_s_own_error_text_is_whole(tiny_data, tmp_path, capsys):
+    broken = tmp_path / "broken.pth"
+    broken.write_bytes(b"PK\x03\x04 not really a zip archive")
+    with pytest.raises(Exception) as raised:
+        torch.load(broken, weights_only=True)
+    line = _main_fails(["--data", tiny_data, "--output-dir", str(tmp_path / "out"), *TRAIN_ARGS, "-e", "--resume",
+                        str(broken)], capsys)
+    assert str(raised.value).strip().splitlines()[0] in line, line
+
+
+def test_pretrained_weights_are_fetched_only_for_a_fresh_start(tiny_data, trained, tmp_path, monkeypatch, capsys):
+    from torchvision.models import MobileNet_V3_Large_Weights
+    fetched = []
+
+    def offline(self, *args, **kwargs):  # a compute node without internet
+        fetched.append(self)
+        raise OSError("no network")
+    monkeypatch.setattr(type(MobileNet_V3_Large_Weights.IMAGENET1K_V1), "get_state_dict", offline)
+    out = str(tmp_path / "out")
+    shutil.copytree(trained, out)
+    imagenet = ["--data", tiny_data, "--output-dir", out,
+                *[a if a != "none" else "imagenet" for a in TRAIN_ARGS]]  # --pretrained-backbone imagenet
+    main.main(main.get_args_parser().parse_args(imagenet + ["-e", "--resume", os.path.join(out, "best.pth")]))
+    main.main(main.get_args_parser().parse_args(imagenet + ["--resume", "auto", "--epochs", "2", "--check-only",
+                                                            "2"]))  # a resumed run's preflight
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # a torchrun restart: continues from its checkpoint
+    main.main(main.get_args_parser().parse_args(imagenet + ["--epochs", "1"]))
+    assert fetched == []
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT")
+    line = _main_fails(imagenet[:3] + [str(tmp_path / "fresh")] + imagenet[4:] + ["--check-only", "2"], capsys)
+    assert "could not download the ImageNet weights" in line and len(fetched) == 1, line  # a fresh start fetches
+
+
+def _predict_fails(argv, capsys):
+    import predict
+    with pytest.raises(SystemExit) as exit_info:
+        predict.main(predict.get_args_parser().parse_args(argv))
+    assert exit_info.value.code == 1
+    return _one_error_line(capsys, "predict.py: error: ")
+
+
+def test_predict_and_export_never_write_over_what_they_read(trained, tmp_path, capsys):
+    import onnx
+    from onnx import TensorProto, helper
+    checkpoint = os.path.join(trained, "best.pth")
+    photos = tmp_path / "photos"
+    photos.mkdir()
+    from PIL import Image
+    Image.new("RGB", (8, 6)).save(photos / "a.png")
+    notes = tmp_path / "notes.onnx"
+    notes.write_text("my notes, not a model")
+    other = tmp_path / "other.onnx"  # an ONNX model, but not one --export wrote
+    graph = helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])])
+    onnx.save(helper.make_model(graph), other)
+    before = _fingerprint(trained, str(photos), str(tmp_path))
+    for argv, expect in [
+        (["--resume", checkpoint, str(photos), "--output-dir", checkpoint], "is a file, not a folder"),
+        (["--resume", checkpoint, "--export", checkpoint], f"--export {checkpoint} would write over --resume"),
+        (["--resume", checkpoint, "--export", str(photos)], f"--export {photos} is a folder: give a file name"),
+        (["--resume", checkpoint, "--export", str(notes)], "exists and is not an earlier output of --export"),
+        (["--resume", checkpoint, "--export", str(other)], "exists and is not an earlier output of --export"),
+        (["--resume", str(tmp_path / "gone.pth"), str(photos), "--output-dir", str(tmp_path / "p")], "no such file"),
+        (["--resume", checkpoint, str(tmp_path / "gone"), "--output-dir", str(tmp_path / "p")], "no such file"),
+    ]:
+        line = _predict_fails(argv, capsys)
+        assert expect in line, (argv, line)
+        assert _fingerprint(trained, str(photos), str(tmp_path)) == before  # nothing made, nothing written
+    import predict
+    assert not predict.is_export(str(other)) and not predict.is_export(str(notes))
+
+
+def test_a_generated_data_set_never_lands_on_files(tmp_path):
+    from synthetic import write_synthetic
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "photo.jpg").write_bytes(b"the user's own file")
+    with pytest.raises(paths.UserError, match="is not empty: give a new or empty folder"):
+        write_synthetic(str(mine), 2, 1, (32, 16))
+    assert os.listdir(mine) == ["photo.jpg"]
+
+    import synthetic
+    original = synthetic._write_scene
+
+    def interrupted(job):
+        if job[3] == 1:  # the second scene
+            raise KeyboardInterrupt
+        original(job)
+    synthetic._write_scene = interrupted
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            write_synthetic(str(tmp_path / "new"), 3, 1, (32, 16))
+    finally:
+        synthetic._write_scene = original
+    assert sorted(os.listdir(tmp_path)) == ["mine"]  # no half-written set, no temporary folder left
+    write_synthetic(str(tmp_path / "new"), 3, 1, (32, 16), workers=2, unique=2)
+    assert len(os.listdir(tmp_path / "new" / "leftImg8bit" / "train" / "aachen")) == 1
+
+
+def test_the_decode_cache_stays_out_of_the_data_set_and_minus_j_0_means_this_process(tiny_data, tmp_path):
+    import dataset
+    data = str(tmp_path / "data")
+    shutil.copytree(tiny_data, data)
+    before = _snapshot(data)
+    with pytest.raises(paths.UserError, match="--prepare-cache .* is inside --data"):
+        dataset.prepare_cache(data, os.path.join(data, "cache"), ["val"], workers=0)
+    assert _snapshot(data) == before
+    dataset.prepare_cache(data, str(tmp_path / "cache"), ["val"], workers=0)  # no pool: in this process
+    assert len(os.listdir(tmp_path / "cache")) == 2 * 5
+
+
+def _own_data(tmp_path, masks, names=("background", "cat"), ignore=255, image_size=(6, 4), suffix=".png"):
+    """A folder data set: for each split, images of image_size and these masks (lists of rows)."""
+    import numpy as np
+    from PIL import Image
+    root = tmp_path / "own"
+    for split in ("train", "val"):
+        (root / "images" / split).mkdir(parents=True)
+        (root / "masks" / split).mkdir(parents=True)
+        for i, mask in enumerate(masks):
+            Image.new("RGB", image_size, (100, 120, 140)).save(root / "images" / split / f"x{i}{suffix}")
+            Image.fromarray(np.array(mask, np.uint8)).save(root / "masks" / split / f"x{i}.png")
+    (root / "classes.json").write_text(json.dumps({"names": list(names), "ignore_index": ignore}))
+    return str(root)
+
+
+def test_labels_that_cannot_teach_are_said(tmp_path, capsys):
+    out = str(tmp_path / "o")
+    binary = [[0, 255, 255, 255, 255, 255]] * 4  # a cat mask saved as 0/255: 255 is ignore
+    data = _own_data(tmp_path, [binary, binary], names=("background", "cat", "dog"))
+    main.main(main.get_args_parser().parse_args(["--data", data, *TRAIN_ARGS, "--epochs", "1", "--output-dir", out]))
+    said = capsys.readouterr().out
+    warnings = [line for line in said.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 2, said  # before training, and training goes on
+    assert "has a pixel of 'cat', 'dog': the model cannot learn it" in warnings[0]
+    assert "2 of 2 training masks are more than half ignore_index 255" in warnings[1]
+    assert "save them with its class index instead" in warnings[1]
+    assert said.index("warning:") < said.index("training deeplabv3plus")
+    shutil.rmtree(tmp_path / "own")
+    unlabelled = [[255] * 6] * 4
+    data = _own_data(tmp_path, [unlabelled, [[0] * 6] * 4])
+    for mask in os.listdir(os.path.join(data, "masks", "val")):  # val: nothing labelled at all
+        from PIL import Image
+        Image.new("L", (6, 4), 255).save(os.path.join(data, "masks", "val", mask))
+    line = _main_fails(["--data", data, *TRAIN_ARGS, "--check-only", "1", "--output-dir", out + "2"], capsys)
+    assert "val labels of --data" in line and "hold no pixel of any class" in line, line
+
+
+def test_own_data_mistakes_name_their_real_cause(tmp_path, capsys):
+    import numpy as np
+    from PIL import Image
+    argv = [*TRAIN_ARGS, "--check-only", "1", "--output-dir", str(tmp_path / "o")]
+    data = _own_data(tmp_path, [[[0, 1] * 3] * 4])
+    many = {"names": [f"c{i}" for i in range(256)]}
+    with open(os.path.join(data, "classes.json"), "w") as f:
+        json.dump(many, f)
+    line = _main_fails(["--data", data, *argv], capsys)
+    assert "names 256 classes, but a mask of 8 bits a pixel holds at most 255 classes beside its ignore_index" in line
+    with open(os.path.join(data, "classes.json"), "w") as f:
+        json.dump({"names": ["a", "b"]}, f)
+    Image.new("RGB", (6, 4)).save(os.path.join(data, "images", "val", "y.webp"))
+    line = _main_fails(["--data", data, *argv], capsys)
+    assert "y.webp: images are .jpg, .jpeg, .png files, and this format is not read" in line, line
+    os.remove(os.path.join(data, "images", "val", "y.webp"))
+    Image.new("L", (6, 4)).save(os.path.join(data, "masks", "val", "x0.jpg"))
+    line = _main_fails(["--data", data, *argv], capsys)
+    assert "x0.jpg: masks are PNGs: JPEG's compression changes class indices" in line, line
+    os.remove(os.path.join(data, "masks", "val", "x0.jpg"))
+    exif = Image.Exif()
+    exif[0x0112] = 6  # a phone photo stored 6x4, seen 4x6; its mask drawn on the stored picture
+    Image.fromarray(np.zeros((4, 6, 3), np.uint8)).save(os.path.join(data, "images", "val", "x0.jpg"), exif=exif)
+    os.remove(os.path.join(data, "images", "val", "x0.png"))
+    line = _main_fails(["--data", data, *argv], capsys)
+    assert "is 6x4 but its image is 4x6 as its EXIF orientation turns it (stored 6x4)" in line, line
+
+
+def test_any_size_and_any_scale_the_flags_accept(trained, tiny_data, tmp_path, capsys):
+    import predict
+    from PIL import Image
+    photos = tmp_path / "tiny"
+    photos.mkdir()
+    for width, height in ((1, 1), (3, 2), (1, 40)):
+        Image.new("RGB", (width, height), (90, 90, 90)).save(photos / f"{width}x{height}.png")
+    predict.main(predict.get_args_parser().parse_args([
+        "--resume", os.path.join(trained, "best.pth"), str(photos), "--output-dir", str(tmp_path / "p"), "-j", "0",
+        "--eval-scales", "0.01", "1", "--eval-flip", "--eval-crop", "8", "--eval-stride", "1"]))
+    for name, size in (("1x1", (1, 1)), ("3x2", (3, 2)), ("1x40", (1, 40))):
+        with Image.open(tmp_path / "p" / "color" / f"{name}.png.png") as picture:
+            assert picture.size == size
+    main.main(main.get_args_parser().parse_args(["--data", tiny_data, "--output-dir", str(tmp_path / "e"), *TRAIN_ARGS,
+                                                 "-e", "--resume", os.path.join(trained, "best.pth"),
+                                                 "--eval-scales", "0.01", "--eval-crop", "8"]))
+    assert "mIoU" in capsys.readouterr().out

@@ -12,16 +12,18 @@ import pytest
 import torch
 from PIL import Image
 
+import checkpoints
+import dataset
+import images
 import main
 import predict
 import recovery
-import dataset
 from conftest import ROOT, TRAIN_ARGS
 from dataset import FolderDataset, default_colors, open_dataset
 from models import build_model
 from test_mistakes import _main_fails, _one_error_line
 
-# Cityscapes' categories, typed here independently of dataset.py, with the colour of each one's first class.
+# Cityscapes' categories, typed here independently of synthetic.py, with the colour of each one's first class.
 CATEGORIES = ["flat", "construction", "object", "nature", "sky", "human", "vehicle"]
 CATEGORY_COLORS = [(128, 64, 128), (70, 70, 70), (153, 153, 153), (107, 142, 35), (70, 130, 180), (220, 20, 60),
                    (0, 0, 142)]
@@ -142,7 +144,7 @@ def test_mistakes_in_your_own_data_end_in_one_line(folder_data, tmp_path, how, e
 def test_a_phone_photo_is_read_turned_as_its_mask_was_drawn(tmp_path, monkeypatch, decoder, suffix):
     """A JPEG stored 40x20 with EXIF orientation 6 is seen 20 wide and 40 high; its mask is drawn on what is seen."""
     if decoder == "PIL":
-        monkeypatch.setattr(dataset, "_torchcodec_decode", None)
+        monkeypatch.setattr(images, "_torchcodec_decode", None)
     root = tmp_path / "phone"
     for split in ("train", "val"):
         (root / "images" / split).mkdir(parents=True)
@@ -208,7 +210,7 @@ def test_weights_start_every_layer_but_a_classifier_for_other_classes(trained, f
     torch.manual_seed(0)
     model = build_model(TRAIN_ARGS[1], 7)
     fresh = {k: v.clone() for k, v in model.state_dict().items()}
-    recovery.load_weights(model, os.path.join(trained, "best.pth"), TRAIN_ARGS[1], {"names": CATEGORIES})
+    checkpoints.load_weights(model, os.path.join(trained, "best.pth"), TRAIN_ARGS[1], {"names": CATEGORIES})
     assert "its classifier, trained for 19 classes (road, sidewalk, building, ...), does not fit the 7 classes of " \
            "--data and starts afresh" in capsys.readouterr().out
     for key, value in model.state_dict().items():

@@ -128,7 +128,7 @@ def test_mistakes_end_in_one_line(checkpoint, tmp_path, capsys):
     cases = {
         ("--resume", str(tmp_path / "missing.pth"), folder): "no such file",
         ("--resume", bare, folder): "holds weights without the model's name",
-        ("--resume", other, folder): "is not a checkpoint of this project's DeepLab",
+        ("--resume", other, folder): "not of this project's DeepLab",
         ("--resume", text, folder): "cannot be read",
         ("--resume", checkpoint): "no INPUT",
         ("--resume", checkpoint, folder): "no images",

@@ -28,3 +28,74 @@ def test_readme_opens_with_the_two_commands_ci_runs():
     assert f"-r {requirements}" in ci and "OMP_NUM_THREADS=1 python -m pytest -q tests" in ci
     with open(os.path.join(ROOT, requirements)) as f:
         assert f.readline().strip() == "-r requirements.txt"  # the tests' set includes training's
+
+
+def test_readme_is_short_and_every_local_link_leads_to_a_file():
+    readme = os.path.join(ROOT, "README.md")
+    assert os.path.getsize(readme) <= 16_000, os.path.getsize(readme)
+    docs = os.path.join(ROOT, "docs")
+    pages = [readme] + [os.path.join(docs, name) for name in sorted(os.listdir(docs)) if name.endswith(".md")]
+    assert len(pages) > 1
+    broken = []
+    for page in pages:
+        with open(page, encoding="utf-8") as f:
+            text = f.read()
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):  # [text](target): markdown links
+            if target.startswith(("http://", "https://", "mailto:", "#")):
+                continue
+            path, _, anchor = target.partition("#")
+            resolved = os.path.normpath(os.path.join(os.path.dirname(page), path))
+            if not os.path.isfile(resolved):
+                broken.append(f"{os.path.relpath(page, ROOT)}: {target} (no such file)")
+            elif re.fullmatch(r"L\d+", anchor):
+                with open(resolved, encoding="utf-8") as f:
+                    count = sum(1 for _ in f)
+                if not 1 <= int(anchor[1:]) <= count:
+                    broken.append(f"{os.path.relpath(page, ROOT)}: {target} (the file has {count} lines)")
+    assert not broken, broken
+
+
+def _functions(path):
+    import ast
+    with open(os.path.join(ROOT, path)) as f:
+        source = f.read()
+    tree = ast.parse(source)
+    return source, {node.name: node for node in ast.walk(tree) if isinstance(node, ast.FunctionDef)}
+
+
+def _depth(node, level=0):
+    """The deepest nesting of blocks below node (its own body is level 0; an elif counts as its if)."""
+    import ast
+    deepest = level
+    for field in ("body", "orelse", "finalbody", "handlers"):
+        for child in getattr(node, field, []):
+            elif_ = field == "orelse" and isinstance(node, ast.If) and isinstance(child, ast.If) and len(node.orelse) == 1
+            inner = level if elif_ else level + 1
+            if isinstance(child, (ast.If, ast.For, ast.While, ast.With, ast.Try, ast.ExceptHandler)):
+                deepest = max(deepest, _depth(child, inner))
+    return deepest
+
+
+def test_the_lesson_keeps_its_shape():
+    """main.py reads as the tutorial: its size, Steps 1-4 in order with their own lines, nothing of the preflight
+    between them. A feature pays for its lines by moving something out."""
+    source, functions = _functions("main.py")
+    lines = source.splitlines()
+    assert len(lines) <= 450, len(lines)
+    main = functions.pop("main")
+    assert main.end_lineno - main.lineno + 1 <= 110
+    assert max(_depth(child, 0) for child in main.body) <= 4
+    too_long = {name: f.end_lineno - f.lineno + 1 for name, f in functions.items() if f.end_lineno - f.lineno >= 75}
+    assert not too_long, too_long
+    marks = [(number, line.strip()) for number, line in enumerate(lines, 1) if re.match(r"\s*# Step \d", line)]
+    steps = [mark[len("# Step ")] for _, mark in marks]
+    assert steps == sorted(steps) and set(steps) == {"1", "2", "3", "4"}, marks  # in order, each marked
+    set_device = next(n for n, line in enumerate(lines, 1) if "torch.cuda.set_device(local_rank)" in line)
+    loader = next(n for n, line in enumerate(lines, 1) if "train_loader = DataLoader(" in line)
+    assert not any("check_only" in line for line in lines[set_device:loader])
+    step4 = next(n for n, mark in marks if mark.startswith("# Step 4:"))
+    assert step4 < next(n for n, line in enumerate(lines, 1) if "DistributedSampler(" in line) < loader
+    _, predict_functions = _functions("predict.py")
+    assert predict_functions["main"].end_lineno - predict_functions["main"].lineno + 1 <= 80
+    with open(os.path.join(ROOT, "dataset.py")) as f:
+        assert sum(1 for _ in f) <= 600

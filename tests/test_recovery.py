@@ -11,6 +11,7 @@ import time
 import pytest
 import torch
 
+import checkpoints
 import recovery
 from conftest import ROOT, SLOW_ARGS, TRAIN_ARGS, free_port, run
 
@@ -93,7 +94,7 @@ def test_preempted_mid_epoch_resumes_at_next_batch_and_matches(data24, straight,
     os.kill(max(_workers(out)), signal.SIGTERM)
     log = process.communicate(timeout=120)[0]
     assert process.returncode == 0, log
-    assert "stopped by signal" in log and "--resume auto" in log
+    assert "stopped by signal" in log and "To resume, run the same ./run.sh line again" in log
     first = _checkpoint(out)
     assert first["epoch"] == 0 and 2 <= first["step"] < 6, log
     assert not os.path.exists(os.path.join(out, "metrics.jsonl"))  # no epoch finished yet
@@ -389,9 +390,9 @@ def test_the_previous_checkpoint_keeps_its_folder_name(tmp_path):
     folder = tmp_path / "runs.pth" / "x"  # a folder whose name ends like a checkpoint's
     folder.mkdir(parents=True)
     path = str(folder / "checkpoint.pth")
-    assert recovery.previous_path(path) == str(folder / "checkpoint.prev.pth")
+    assert checkpoints.previous_path(path) == str(folder / "checkpoint.prev.pth")
     for epoch in (1, 2):
-        recovery.save_checkpoint({"epoch": epoch}, path, keep_previous=True)
+        checkpoints.save({"epoch": epoch}, path, keep_previous=True)
     assert torch.load(str(folder / "checkpoint.prev.pth"), weights_only=True)["epoch"] == 1
 
 
@@ -428,3 +429,40 @@ def test_a_mistake_under_torchrun_is_said_once_and_not_restarted(tiny_data, tmp_
     assert result.returncode != 0
     errors = [line for line in output.splitlines() if "main.py: error:" in line]
     assert errors == ["main.py: error: --amp fp16 needs CUDA; on the CPU use --amp bf16 or no --amp"], output
+
+
+# The layout main.py wrote before the redesign of 2026-11-30, typed out: a requeued job spans such a change.
+LAYOUT_2026_11 = {"model", "optimizer", "scaler", "best_miou", "args", "world_size", "batch_size", "classes", "epoch",
+                  "step", "epoch_loss_sum"}
+ARGS_2026_11 = {
+    "data": "data/cityscapes", "model": "deeplabv3plus_mobilenet_v3_large", "output_stride": 16,
+    "pretrained_backbone": "none", "weights": None, "crop_size": [32], "scale_range": [1.0, 1.0], "color_jitter": 0.5,
+    "cache_dir": None, "workers": 0, "epochs": 1, "start_epoch": 0, "batch_size": 2, "lr": 0.1, "backbone_lr": 0.1,
+    "momentum": 0.9, "weight_decay": 0.0001, "print_freq": 1, "resume": "", "evaluate": False, "seed": 0,
+    "output_dir": "output", "overwrite": False, "amp": None, "save_predictions": None, "tensorboard": False,
+    "dist_backend": None, "dist_timeout": 5.0, "check_only": None, "sync_bn": None, "channels_last": None,
+    "compile": False, "find_unused_parameters": False, "eval_scales": None, "eval_flip": False, "eval_crop": None,
+    "eval_stride": None, "local_rank": 0}
+
+
+def test_a_checkpoint_in_the_earlier_layout_still_resumes_evaluates_and_predicts(trained, tiny_data, tmp_path,
+                                                                               capsys):
+    import main
+    import predict
+    state = torch.load(os.path.join(trained, "checkpoint.pth"), weights_only=True)
+    old = {key: state[key] for key in LAYOUT_2026_11} | {"args": dict(ARGS_2026_11)}
+    out = str(tmp_path / "out")
+    os.makedirs(out)
+    torch.save(old, os.path.join(out, "checkpoint.pth"))
+    main.main(main.get_args_parser().parse_args(["--data", tiny_data, "--output-dir", out, *TRAIN_ARGS, "--epochs",
+                                                 "2", "--resume", "auto"]))
+    assert "resuming from" in capsys.readouterr().out and _checkpoint(out)["epoch"] == 2
+    torch.save(old, os.path.join(out, "old.pth"))
+    main.main(main.get_args_parser().parse_args(["--data", tiny_data, "--output-dir", out, *TRAIN_ARGS, "-e",
+                                                 "--resume", os.path.join(out, "old.pth")]))
+    with open(os.path.join(out, "eval.json")) as f:
+        assert json.load(f)["num_images"] == 5
+    predict.main(predict.get_args_parser().parse_args([os.path.join(tiny_data, "leftImg8bit", "val"), "--resume",
+                                                       os.path.join(out, "old.pth"), "-j", "0", "--what", "label",
+                                                       "--output-dir", str(tmp_path / "p")]))
+    assert len(os.listdir(tmp_path / "p" / "trainIds")) == 3  # 5 images in 3 city folders

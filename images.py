@@ -1,0 +1,145 @@
+"""Files to pixels, the same way in every program (training, evaluation, predict.py), and decoded once at most
+(the decode cache).
+
+    image = images.read_image(path)               # (H, W, 3) uint8 as a viewer shows the file
+    values = images.decode_label(path)            # (H, W) uint8 as a label file holds them
+    width, height, turned = images.seen_size(path)   # from the header alone
+    array = images.cached("data/cache", path, images.read_image)   # decoded once, then a memory map
+
+Both readers return numpy arrays, so that a crop can be sliced out of them, or out of the cache's memory maps,
+before anything is copied.
+"""
+import glob
+import hashlib
+import os
+import secrets
+
+import numpy as np
+from PIL import Image, ImageOps
+
+from paths import BadInput
+
+try:  # torchcodec: the decoder torchvision 0.29 names as its successor; bundles libpng, needs no FFmpeg
+    from torchcodec.decoders import decode_image as _torchcodec_decode
+except (ImportError, OSError, RuntimeError):  # not installed, or built for another torch: PIL decodes
+    _torchcodec_decode = None
+
+_PNG_SIGNATURE, _JPEG_SIGNATURE = b"\x89PNG\r\n\x1a\n", b"\xff\xd8\xff"
+ORIENTATION = 0x0112  # the EXIF tag; 5-8 turn the picture a quarter
+
+
+def _header(path, size=26):
+    with open(path, "rb") as f:
+        return f.read(size)  # a PNG's: signature, IHDR's width, height, bit depth (byte 24), colour type (25)
+
+
+def _why(path, error):
+    return BadInput(f"{path} cannot be decoded ({(str(error).splitlines() or [type(error).__name__])[0]}); replace "
+                    "it, or remove the image and its label")
+
+
+def read_image(path):
+    """(H, W, 3) uint8 as a viewer shows the file: EXIF orientation applied, any mode made RGB (transparency
+    dropped), 16 bits a channel scaled to 8. PNG and JPEG through torchcodec where it is installed (faster:
+    BENCHMARKS.md), anything else through PIL: the same pixels either way. torchcodec's (3, H, W) result is returned
+    as a strided (H, W, 3) view: only a crop is copied, into the order torchvision's uint8 resize is fastest on."""
+    try:
+        header = _header(path)
+        # torchcodec for PNG and JPEG, but not for 16-bit colour PNGs: PIL reads those as 8 bits itself (the high
+        # byte), and torchcodec would round instead, one level apart: the same file gives the same pixels either way.
+        torchcodec_png = header.startswith(_PNG_SIGNATURE) and not (header[24] == 16 and header[25] != 0)
+        if _torchcodec_decode is not None and (torchcodec_png or header.startswith(_JPEG_SIGNATURE)):
+            return _torchcodec_decode(path, mode="RGB").permute(1, 2, 0).numpy()
+        with Image.open(path) as f:
+            return _rgb(ImageOps.exif_transpose(f))
+    except Exception as error:
+        raise _why(path, error) from None
+
+
+def _rgb(picture):
+    """A PIL image of any mode -> (H, W, 3) uint8. Integer modes of more than 8 bits (16-bit greyscale PNGs and
+    TIFFs) are scaled to 0-255 and rounded, as torchcodec does; PIL's convert("RGB") would clip them."""
+    if picture.mode in ("I", "I;16", "I;16B", "I;16L", "I;16N"):
+        values = np.clip(np.asarray(picture, dtype=np.int64), 0, 65535)
+        grey = ((values * 255 + 32767) // 65535).astype(np.uint8)
+        return np.repeat(grey[..., None], 3, axis=2)
+    if picture.mode == "F":
+        grey = np.clip(np.rint(np.asarray(picture)), 0, 255).astype(np.uint8)
+        return np.repeat(grey[..., None], 3, axis=2)
+    return np.asarray(picture if picture.mode == "RGB" else picture.convert("RGB"))
+
+
+def seen_size(path):
+    """(width, height, turned) of an image as read_image returns it, from its header alone: turned when its
+    EXIF orientation (a JPEG's, or a PNG's eXIf chunk before its pixels) turns it a quarter."""
+    with Image.open(path) as f:
+        has_exif = f.format == "JPEG" or "exif" in f.info
+        turned = has_exif and f.getexif().get(ORIENTATION, 1) in (5, 6, 7, 8)
+        return (*(f.size[::-1] if turned else f.size), turned)
+
+
+def decode_label(path):
+    """(H, W) label values as the file holds them, unchecked. torchcodec only for 8-bit greyscale PNGs
+    (Cityscapes' own): on a palette PNG it would return the palette's colours, not the indices, so anything
+    else goes to PIL. A greyscale PNG of fewer than 8 bits is refused: PIL would scale its values to 0-255."""
+    try:
+        header = _header(path)
+        if header[:8] == _PNG_SIGNATURE and header[25] == 0 and header[24] < 8:
+            raise ValueError(f"a {header[24]}-bit greyscale PNG, whose values PIL would scale to 0-255; save it as "
+                             "8-bit")
+        if _torchcodec_decode is not None and header[:8] == _PNG_SIGNATURE and header[24:26] == b"\x08\x00":
+            return _torchcodec_decode(path, mode="UNCHANGED")[0].numpy()
+        with Image.open(path) as f:
+            return np.asarray(f)  # mode "P": the indices; "L": the values
+    except Exception as error:
+        raise _why(path, error) from None
+
+
+# --- the decode cache: each frame decoded once, kept as an uncompressed .npy, read through a memory map ------
+def cache_path(cache_dir, source, checked=""):
+    """The cache file of a source file. Its name holds a hash of the source's path and one of its size and
+    modification time: a source that changes gets a new name, so a stale entry is never read. checked: what
+    the entry was checked against when it was decoded (a mask's classes), also part of the name."""
+    stat = os.stat(source)
+    where = hashlib.sha1(os.path.abspath(source).encode()).hexdigest()[:10]
+    version = hashlib.sha1(f"{stat.st_size}:{stat.st_mtime_ns}{checked}".encode()).hexdigest()[:10]
+    stem = os.path.splitext(os.path.basename(source))[0]
+    return os.path.join(cache_dir, f"{stem}.{where}.{version}.npy")
+
+
+def cached(cache_dir, source, read, checked=""):
+    """read(source) as an array, from the cache when it holds a sound copy (a memory map: nothing is read
+    until sliced), else decoded and written there. Safe with many processes at once: each writes a file
+    of its own name and renames it into place (atomic), so a reader sees no file or a whole one; two that
+    miss together both decode and write the same bytes."""
+    try:
+        path = cache_path(cache_dir, source, checked)
+    except OSError as error:
+        raise BadInput(f"{source} cannot be read ({error}); replace it, or remove the image and its label") from None
+    try:
+        array = np.load(path, mmap_mode="r")
+        if array.dtype == np.uint8 and array.offset + array.nbytes == os.path.getsize(path):
+            return array
+    except (ValueError, OSError, EOFError):  # none yet, or damaged (truncated, overwritten): decoded below
+        pass
+    array = read(source)
+    temporary = f"{path}.{os.getpid()}-{secrets.token_hex(4)}.tmp"  # unique per process and thread
+    try:
+        os.makedirs(cache_dir, exist_ok=True)
+        with open(temporary, "xb") as f:
+            np.save(f, array)  # no fsync: a file cut short by a crash fails the size check and is rebuilt
+        os.replace(temporary, path)
+    except OSError as error:
+        raise BadInput(f"cannot write the decode cache {path} ({error}); free space there or use another "
+                       "cache folder") from None
+    finally:
+        if os.path.exists(temporary):
+            os.remove(temporary)
+    # Earlier versions of this source (it changed since) are garbage now.
+    for old in glob.glob(path[:path.rindex(".", 0, -4)] + ".*.npy"):
+        if old != path:
+            try:
+                os.remove(old)
+            except FileNotFoundError:  # another process removed it first
+                pass
+    return array

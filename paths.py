@@ -1,0 +1,214 @@
+"""Where the programs write, checked in one place before any work: nothing a command reads is written over,
+moved or removed, and every output goes where it can be written. Plain os calls, low in the imports:
+dataset.py, synthetic.py, checkpoints.py, main.py and predict.py all use it.
+
+    paths.fail("...")                                         # a mistake the user can fix: one line, no traceback
+    paths.check_folder("--output-dir", out, reads=[("--data", data)])   # a folder, not on or in an input
+    paths.make_folder("--output-dir", out)                    # made with its missing parents, and probed
+    paths.check_file("--export", path, reads=[("--resume", ckpt)], replaceable=is_export)
+    paths.move_aside(out, RUN_FILES, "replaced")              # --overwrite: the old run moved beside, not deleted
+    paths.write_folder(path, write)                           # a generated data set: whole, or not at all
+
+The error types live here, the lowest module, so that every module can raise them; recovery.guard says them.
+"""
+import os
+import shutil
+import time
+
+
+class UserError(Exception):
+    """A mistake the user can fix, said in one line (`main.py: error: ...`) by recovery.guard. this_rank=False:
+    every rank finds it the same way (a flag, a folder, a checkpoint), and rank 0 says it; True: only this rank
+    meets it (its GPU, a write that failed), and this rank says it."""
+
+    def __init__(self, message, this_rank=False):
+        super().__init__(message)
+        self.this_rank = this_rank
+
+
+def fail(message, this_rank=False):
+    raise UserError(str(message), this_rank)
+
+
+class BadInput(ValueError):
+    """A file of the data set that cannot be used (damaged, mislabelled), found while reading it: said in one line
+    by the rank that read it, whichever that is; also when a DataLoader worker raised it."""
+
+
+def named(flag):
+    """A flag as the user set it, for advice: under run.sh (it sets DEEPLAB_RUN_SH=1) the user typed the variables
+    OUTPUT_DIR and DATA, not the flags run.sh made of them."""
+    variables = {"--output-dir": "OUTPUT_DIR", "--data": "DATA"}
+    return variables.get(flag, flag) if os.environ.get("DEEPLAB_RUN_SH") == "1" else flag
+
+
+def inside(path, folder):
+    """Whether path is folder itself or lies below it, links resolved."""
+    path, folder = os.path.realpath(path), os.path.realpath(folder)
+    return path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)
+
+
+def _inputs(reads):
+    """reads: [(flag, path)] of what a command reads; the ones given."""
+    return [(flag, path) for flag, path in reads if path]
+
+
+def check_folder(flag, path, reads=()):
+    """An output folder: not a file, not an input of the command nor inside one (reads: [(flag, path)]), and
+    where it can be made (found without writing anything: make_folder makes it, once every check is done)."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        fail(f"{named(flag)} {path} is a file, not a folder: give a folder")
+    existing = os.path.abspath(path)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing) or not os.access(existing, os.W_OK | os.X_OK):
+        why = "is a file" if not os.path.isdir(existing) else "cannot be written"
+        fail(f"{named(flag)} {path} cannot be written ({existing} {why}): choose a folder you can write to")
+    for read_flag, source in _inputs(reads):
+        if inside(path, source):
+            where = "is" if os.path.realpath(path) == os.path.realpath(source) else "is inside"
+            fail(f"{named(flag)} {path} {where} {named(read_flag)} {source}, which this command reads: outputs never "
+                 f"land among the inputs; choose a folder outside it")
+
+
+def make_folder(flag, path):
+    """Make the folder with its missing parents, and write a file into it: a place that cannot be written is
+    found now, in one line, not after an epoch of training."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        probe = os.path.join(path, f".write-test-{os.getpid()}")
+        with open(probe, "w"):
+            pass
+        os.remove(probe)
+    except OSError as error:
+        fail(f"{named(flag)} {path} cannot be written ({error.strerror or error}): choose a folder you can write to")
+
+
+def check_file(flag, path, reads=(), replaceable=None):
+    """An output file: not a folder, not a file the command reads, not in a folder it reads; an existing file
+    only if replaceable(path) says it is an earlier output of the same kind. Its folder is made."""
+    if os.path.isdir(path):
+        fail(f"{flag} {path} is a folder: give a file name, e.g. {os.path.join(path, 'model.onnx')}")
+    for read_flag, source in _inputs(reads):
+        if inside(path, source):
+            fail(f"{flag} {path} would write over {read_flag} {source}, which this command reads: give another name")
+    if os.path.exists(path) and not (replaceable and replaceable(path)):
+        fail(f"{flag} {path} exists and is not an earlier output of {flag}: give another name, or move it away")
+    make_folder(flag, os.path.dirname(os.path.abspath(path)))
+
+
+def beside(path, label):
+    """A name beside path that says what happened to it and when, not yet taken: out -> out.replaced-20261130-
+    230405; checkpoint.pth -> checkpoint.rewound-20261130-230405.pth."""
+    folder, name = os.path.split(os.path.abspath(path.rstrip(os.sep)))
+    stem, extension = (name, "") if os.path.isdir(path) else os.path.splitext(name)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    for attempt in range(1000):
+        candidate = os.path.join(folder, f"{stem}.{label}-{stamp}{f'-{attempt}' if attempt else ''}{extension}")
+        if not os.path.exists(candidate):
+            return candidate
+    fail(f"no free name beside {path} to keep it under: move the old {label} files away")
+
+
+def move_aside(folder, names, label):
+    """Move the entries `names` of folder (those present) into a new folder beside it whose name says why
+    (FOLDER.replaced-DATE-TIME): nothing is deleted. -> that folder, or None when none was present."""
+    present = [name for name in names if os.path.lexists(os.path.join(folder, name))]
+    if not present:
+        return None
+    target = beside(folder, label)
+    try:
+        os.makedirs(target)
+        for name in present:
+            os.replace(os.path.join(folder, name), os.path.join(target, name))
+    except OSError as error:
+        fail(f"cannot move the old run in {folder} aside to {target} ({error.strerror or error}); move it yourself")
+    return target
+
+
+def write_folder(path, write):
+    """Make the folder `path` by write(temporary): into a temporary folder beside it, renamed to path when write
+    returns. An interrupted run leaves no half-written data set under path. A folder that exists and is not
+    empty is refused: what is in it could be real data, and a generator's file names are real ones."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        fail(f"{path} is a file, not a folder: give a new folder")
+    if os.path.isdir(path) and os.listdir(path):
+        fail(f"{path} is not empty: give a new or empty folder (nothing there is written over)")
+    temporary = beside(path, "partial")
+    try:
+        os.makedirs(temporary)
+    except OSError as error:
+        fail(f"{path} cannot be made ({error.strerror or error}): choose a folder you can write to")
+    try:
+        write(temporary)
+        if os.path.isdir(path):
+            os.rmdir(path)  # empty, checked above
+        os.replace(temporary, path)
+    except BaseException:
+        shutil.rmtree(temporary, ignore_errors=True)
+        raise
+
+
+def resume_advice():
+    """How to carry on a stopped run, as the user started it."""
+    if os.environ.get("DEEPLAB_RUN_SH") == "1":
+        return "run the same ./run.sh line again"
+    return "run the same command with --resume auto"
+
+
+# --- main.py's folders ----------------------------------------------------------------------------------------
+# What a training run writes in its --output-dir; a folder holding one of the first five holds a run.
+RUN_FILES = ("checkpoint.pth", "checkpoint.prev.pth", "best.pth", "metrics.jsonl", "eval.json", "vis", "tensorboard")
+
+
+def check_run_folders(args):
+    """main.py's folders (--output-dir, --save-predictions, --cache-dir), checked before anything is read or
+    written: none is a file, none is or is inside the data set, each can be made. (Rank 0 makes them later,
+    after every other check: make_run_outputs.)"""
+    for flag in ("--output-dir", "--save-predictions", "--cache-dir"):
+        path = getattr(args, flag[2:].replace("-", "_"))
+        if path is not None:
+            check_folder(flag, path, reads=[("--data", args.data)])
+
+
+def check_no_run_replaced(args, start):
+    """No other run in --output-dir is replaced without a word, and no file the run reads (--weights) is one that
+    --overwrite moves aside. start: checkpoints.decide_start's (whether this run continues one there)."""
+    found = [name for name in RUN_FILES[:5] if os.path.exists(os.path.join(args.output_dir, name))]
+    if (replacing(args, start) and args.weights and start.checkpoint is None
+            and any(inside(args.weights, os.path.join(args.output_dir, name)) for name in RUN_FILES)):
+        fail(f"--weights {args.weights} belongs to the run that --overwrite moves aside from {named('--output-dir')} "
+             f"{args.output_dir}: fine-tune into another {named('--output-dir')} instead (the run stays as it is)")
+    if not found or args.evaluate or args.overwrite or (start.path and inside(start.path, args.output_dir)):
+        return
+    what = f"{named('--output-dir')} {args.output_dir} holds another run ({', '.join(found)})"
+    replace = "./run.sh --overwrite" if named("--output-dir") == "OUTPUT_DIR" else "--overwrite"
+    aside = f"replace it with {replace} (it moves that run aside, nothing is deleted)"
+    if start.path:
+        fail(f"{what}, and --resume {start.path} is not from it: choose another {named('--output-dir')}, or {aside}")
+    if start.auto or named("--output-dir") == "OUTPUT_DIR":
+        fail(f"{what}, no checkpoint to continue from: choose another {named('--output-dir')}, or {aside}")
+    fail(f"{what}: continue it with --resume auto, choose another --output-dir, or {aside}")
+
+
+def replacing(args, start):
+    """Whether --overwrite moves a run in --output-dir aside: a training run that does not continue one there
+    (not a torchrun restart, not a --resume of one of its checkpoints)."""
+    return (args.overwrite and not args.evaluate and not start.auto
+            and not (start.path and inside(start.path, args.output_dir)))
+
+
+def make_run_outputs(args, start):
+    """Rank 0, after every check, before the process group (the other ranks wait for it there): the folders made
+    and probed; with --overwrite, a run already there moved into a folder beside it (nothing deleted), so the new
+    run's files and pictures are its own."""
+    make_folder("--output-dir", args.output_dir)
+    if replacing(args, start):
+        moved = move_aside(args.output_dir, RUN_FILES, "replaced")
+        if moved:
+            print(f"--overwrite: the run that was in {args.output_dir} is now in {moved}", flush=True)
+    os.makedirs(os.path.join(args.output_dir, "vis"), exist_ok=True)
+    for flag in ("--save-predictions", "--cache-dir"):
+        path = getattr(args, flag[2:].replace("-", "_"))
+        if path is not None:
+            make_folder(flag, path)

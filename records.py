@@ -1,0 +1,127 @@
+"""What a run leaves behind, written by rank 0 alone (several ranks writing one file corrupt it): the per-class
+IoU table, metrics.jsonl, the pictures, the checkpoints after each epoch, eval.json, and with --tensorboard the
+curves. main.py decides what to record; this module writes it, and turns a failed write into one line.
+
+    records.print_iou_table(miou, iou, names)
+    writer = records.open_writer(args, first_iteration)        # TensorBoard's, or None
+    writer = records.draw(writer, iteration, {"train/loss": 0.3})
+    problem = records.write_epoch(args, state, is_best, sample, record, writer)   # None, or why it failed
+    records.write_eval(args, result, sample, colors)           # -e
+"""
+import contextlib
+import json
+import math
+import os
+import resource
+from datetime import timedelta
+
+import torch
+from PIL import Image
+
+import checkpoints
+import paths
+from dataset import colorize
+from paths import fail
+from recovery import is_main_process, log
+
+
+def draw(writer, iteration, scalars):
+    """TensorBoard's points (writer: rank 0's with --tensorboard, else None). -> the writer, or None once it
+    cannot write: a full disk, which this epoch's checkpoint then stops every rank on, with one line."""
+    if writer is None:
+        return None
+    try:
+        for name, value in scalars.items():
+            writer.add_scalar(name, value, iteration)
+    except OSError as error:
+        log(f"warning: TensorBoard cannot write ({error}): no curves for the rest of this epoch")
+        return None
+    return writer
+
+
+def iou_dict(iou, names):
+    """{class name: IoU}, None for classes absent from the val set (JSON has no NaN)."""
+    return {name: (None if math.isnan(value) else value) for name, value in zip(names, iou.tolist())}
+
+
+def print_iou_table(miou, iou, names):
+    lines = [f"  {name:<14} {value * 100:6.2f}" if not math.isnan(value) else f"  {name:<14}    n/a"
+             for name, value in zip(names, iou.tolist())]
+    log("per-class IoU (%):\n" + "\n".join(lines) + f"\n  {'mIoU':<14} {miou * 100:6.2f}")
+
+
+def peak_memory_gib(device):
+    """This process's peak memory: allocated on its GPU, or resident on the CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # resident set, KiB on Linux
+
+
+def save_picture(path, sample, colors):
+    """image | ground truth | prediction, side by side, in the classes' colours (ignore in black). -> the picture."""
+    image, label, prediction = sample  # image: uint8 (3, H, W), as the data set gives it
+    picture = torch.cat([image.permute(1, 2, 0), colorize(label, colors), colorize(prediction, colors)], dim=1)
+    Image.fromarray(picture.numpy()).save(path)
+    return picture
+
+
+def open_writer(args, first_iteration):
+    """Rank 0's TensorBoard writer with --tensorboard, else None. purge_step: TensorBoard drops what a stopped
+    run drew from that iteration on, so that a resumed run draws no stretch twice."""
+    if not (args.tensorboard and is_main_process()):
+        return None
+    from torch.utils.tensorboard import SummaryWriter  # optional: check_args found it installed
+    try:
+        return SummaryWriter(os.path.join(args.output_dir, "tensorboard"), purge_step=first_iteration)
+    except OSError as error:
+        fail(f"cannot write TensorBoard's files in {args.output_dir} ({error})", this_rank=True)
+
+
+def write_epoch(args, state, is_best, sample, record, writer=None, estimate=False):
+    """After an epoch (rank 0 alone: several ranks writing one file corrupt it): checkpoint.pth (the one it
+    replaces kept as checkpoint.prev.pth), best.pth when the mIoU is the best yet, the picture, a line of
+    metrics.jsonl, TensorBoard's points (writer), and what the user should know. -> None, or why a file could
+    not be written (a full disk), which every rank then stops on."""
+    # checkpoint.pth last: a run stopped between these writes resumes before this epoch, and redoes them all.
+    checkpoint_path = os.path.join(args.output_dir, "checkpoint.pth")
+    try:
+        picture = save_picture(os.path.join(args.output_dir, "vis", f"epoch_{record['epoch']:03d}.png"), sample,
+                               state["classes"]["colors"])
+        with open(os.path.join(args.output_dir, "metrics.jsonl"), "a") as f:
+            f.write(json.dumps(record) + "\n")
+        if writer is not None:  # at the iteration the epoch ends on, the x-axis of the step curves
+            for name, value in [("val/mIoU", record["miou"]), ("train/epoch_loss", record["train_loss"]),
+                                *((f"val_IoU/{name}", value) for name, value in record["iou"].items())]:
+                if value is not None and not math.isnan(value):  # a class absent from val has no IoU
+                    writer.add_scalar(name, value, record["iteration"])
+            writer.add_image("val/image_truth_prediction", picture.numpy(), record["iteration"], dataformats="HWC")
+            writer.flush()
+        if is_best:
+            checkpoints.save(state, os.path.join(args.output_dir, "best.pth"))
+        checkpoints.save(state, checkpoint_path, keep_previous=True)
+    except (OSError, paths.UserError) as error:
+        return str(error) if isinstance(error, paths.UserError) else f"cannot write in {args.output_dir} ({error})"
+    miou = "undefined (no val pixel of any class)" if math.isnan(record["miou"]) else f"{record['miou']:.4f}"
+    log(f"epoch {record['epoch']}: train loss {record['train_loss']:.4f}, {record['train_img_per_s']:.1f} img/s, "
+        f"mIoU {miou} (best {state['best_miou']:.4f}); saved {checkpoint_path}")
+    if record["data_wait_fraction"] > 0.05:
+        log(f"note: the training loop waited {record['data_wait_fraction']:.0%} of its time for data: raise -j if "
+            "the machine has the cores, or decode once with --cache-dir")
+    left = args.epochs - record["epoch"] - 1
+    if estimate and left:  # after the first epoch, so that nobody wonders whether it hangs
+        log(f"the other {left} epoch(s) will take about {timedelta(seconds=round(record['epoch_time_s'] * left))}")
+
+
+def write_eval(args, result, sample, colors):
+    """-e: eval.json and the picture of the first val image."""
+    with open(os.path.join(args.output_dir, "eval.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    save_picture(os.path.join(args.output_dir, "vis", "eval.png"), sample, colors)
+    log(f"wrote {os.path.join(args.output_dir, 'eval.json')}"
+        + (f" and predictions to {args.save_predictions}" if args.save_predictions else ""))
+
+
+def close_writer(writer):
+    if writer is not None:
+        with contextlib.suppress(OSError):  # a full disk now: said already, by the epoch's failed save
+            writer.close()

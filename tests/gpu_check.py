@@ -1,0 +1,270 @@
+"""The GPU path in one short call (tests/gpu_check.sh runs this): what the CPU suite cannot show, on one GPU.
+
+    bash tests/gpu_check.sh [--out DIR]       # on a GPU machine: within 5 minutes, data included
+    bash tests/gpu_check.sh --dry-run         # every step on the CPU at tiny sizes, to prove the script first
+    bash tests/gpu_check.sh --plan            # the commands it would run, without running them
+
+Each step writes its result into DIR/gpu_check.json as it ends (a step that fails records false and why, and
+the next one runs), and says it in one line:
+
+    device            the GPU, torch, CUDA
+    model_only_img_s  bench.py's bare training step at the recipe's sizes (ResNet-101 DeepLabV3+, crop 768,
+                      batch 16 as run.sh gives one GPU, bf16, channels_last)
+    program_img_s, program_data_wait    run.sh's steady steps (after 10 warm-up steps, -p 10) at the same sizes on
+                      photo-like 2048x1024 PNGs, default -j; program_vs_model_only: their ratio
+    cached_img_s, cached_data_wait      the same from --cache-dir with -j 4
+    peak_memory_gib   each rank's, from metrics.jsonl
+    resume_ok         --amp fp16 with a GradScaler, resumed (--dry-run: bf16, which the CPU has)
+    preempt_ok        SIGTERM to run.sh mid-epoch: exit 0 with a checkpoint, then resumed to the end
+    predict_ok        predict.py on the GPU with --amp
+    onnx_ok           predict.py --export, run by onnxruntime: PyTorch's logits
+"""
+import argparse
+import json
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PY = sys.executable
+SMALL_MODEL = "deeplabv3plus_mobilenet_v3_large"
+
+# The sizes of each mode. GPU: the recipe for the rates; the small checks on MobileNet, fast but not too fast to
+# signal mid-epoch. Dry run: everything tiny, on the CPU.
+SIZES = {
+    "gpu": dict(frame=(2048, 1024), train=480, val=3, unique=8, recipe=[], amp="--amp", fp16="fp16",
+                small=(512, 256), small_train=400, small_val=6, small_args=["--crop-size", "256", "-b", "2"]),
+    "dry": dict(frame=(256, 128), train=80, val=2, unique=4, recipe=["--model", SMALL_MODEL, "--crop-size", "64", "-b", "4"],
+                amp="--amp", fp16="bf16", small=(128, 64), small_train=24, small_val=2,
+                small_args=["--crop-size", "64", "-b", "2"]),
+}
+
+
+class Check:
+    """The results, written to DIR/gpu_check.json after every step."""
+
+    def __init__(self, out):
+        self.out, self.path, self.results, self.failed = out, os.path.join(out, "gpu_check.json"), {}, []
+
+    def record(self, **results):
+        self.results.update(results)
+        with open(self.path + ".tmp", "w") as f:
+            json.dump(self.results, f, indent=1)
+        os.replace(self.path + ".tmp", self.path)
+
+    def step(self, name, function):
+        """Run one step; its line on screen; on failure record name: false and why, and go on."""
+        start = time.time()
+        try:
+            said = function()
+            self.record(**{f"{name}_s": round(time.time() - start, 1)})
+            print(f"gpu_check: {name}: {said} ({time.time() - start:.0f} s)", flush=True)
+        except Exception as error:  # a failed step is a finding: record it, run the others
+            self.failed.append(name)
+            why = str(error).strip().splitlines()[-1] if str(error).strip() else type(error).__name__
+            self.record(**{f"{name}_ok": False, f"{name}_error": str(error)[-2000:]})
+            print(f"gpu_check: {name}: FAILED ({why[:300]})", flush=True)
+
+
+def run(command, env=None, log=None, timeout=600):
+    """Run a command in the repository root; its output into the log file; -> its output. Fails on exit != 0."""
+    result = subprocess.run(command, cwd=ROOT, env={**os.environ, **(env or {})}, capture_output=True, text=True,
+                            timeout=timeout)
+    output = result.stdout + result.stderr
+    if log:
+        with open(log, "a") as f:
+            f.write(f"$ {shlex.join(command)}\n{output}\n")
+    if result.returncode:
+        raise RuntimeError(f"{shlex.join(command)} exited {result.returncode}: {output[-1500:]}")
+    return output
+
+
+def steady(log_text, warmup_steps=10):
+    """(images/s, data wait fraction) over the step lines after the first warmup_steps (windows of -p steps)."""
+    windows = [(int(m[1]), float(m[2]), float(m[3]), float(m[4])) for m in re.finditer(
+        r"step (\d+)/\d+ loss \S+ lr \S+ ([\d.]+) img/s time ([\d.]+) s \(data ([\d.]+) s\)", log_text)]
+    late = [w for w in windows if w[0] > warmup_steps]
+    if not late:
+        raise RuntimeError(f"no step lines after step {warmup_steps} in the log")
+    rate = sum(w[1] for w in late) / len(late)
+    return round(rate, 2), round(sum(w[3] for w in late) / sum(w[2] for w in late), 4)
+
+
+def plan(sizes, tmp, dry):
+    """The commands, in order: [(name, command, environment)]. main.py's and predict.py's arguments among them
+    are what tests/test_gpu_check.py parses with the programs' own parsers, so that they cannot drift."""
+    small, full, cache = (os.path.join(tmp, name) for name in ("small", "full", "cache"))
+    cpu = {"CUDA_VISIBLE_DEVICES": "", "NPROC": "1"} if dry else {}
+    rate = ["--pretrained-backbone", "none", "--epochs", "1", "-p", "10", sizes["amp"], *sizes["recipe"]]
+    small_run = ["--model", SMALL_MODEL, "--pretrained-backbone", "none", *sizes["small_args"]]
+    return [
+        ("data small", [PY, "synthetic.py", small, "--num-train", str(sizes["small_train"]), "--num-val",
+                        str(sizes["small_val"]), "--size", *map(str, sizes["small"]), "--unique", "8", "-j", "0"], {}),
+        ("data full", [PY, "synthetic.py", full, "--num-train", str(sizes["train"]), "--num-val", str(sizes["val"]),
+                       "--size", *map(str, sizes["frame"]), "--photo", "--unique", str(sizes["unique"]), "--seed", "1",
+                       "-j", str(os.cpu_count())], {}),
+        ("program", ["./run.sh", *rate], {**cpu, "DATA": full, "OUTPUT_DIR": os.path.join(tmp, "o_png")}),
+        ("fill cache", [PY, "dataset.py", "--prepare-cache", cache, "--data", full, "-j", str(os.cpu_count())], {}),
+        ("cached", ["./run.sh", *rate, "-j", "4", "--cache-dir", cache],
+         {**cpu, "DATA": full, "OUTPUT_DIR": os.path.join(tmp, "o_cache")}),
+        ("resume 1", ["./run.sh", *small_run, "--epochs", "1", "--amp", sizes["fp16"], "-p", "50"],
+         {**cpu, "DATA": small, "OUTPUT_DIR": os.path.join(tmp, "o_resume")}),
+        ("resume 2", ["./run.sh", *small_run, "--epochs", "2", "--amp", sizes["fp16"], "-p", "50"],
+         {**cpu, "DATA": small, "OUTPUT_DIR": os.path.join(tmp, "o_resume")}),
+        ("preempt", ["./run.sh", *small_run, "--epochs", "1", "-p", "1"],
+         {**cpu, "DATA": small, "OUTPUT_DIR": os.path.join(tmp, "o_preempt")}),
+        ("preempt resume", ["./run.sh", *small_run, "--epochs", "1", "-p", "50"],
+         {**cpu, "DATA": small, "OUTPUT_DIR": os.path.join(tmp, "o_preempt")}),
+        ("predict", [PY, "predict.py", "--resume", os.path.join(tmp, "o_resume", "checkpoint.pth"),
+                     os.path.join(small, "leftImg8bit", "val"), "--output-dir", os.path.join(tmp, "predictions"),
+                     "--amp", "-j", "2"], {**cpu}),
+        ("export", [PY, "predict.py", "--resume", os.path.join(tmp, "o_resume", "checkpoint.pth"), "--export",
+                    os.path.join(tmp, "model.onnx")], {**cpu}),
+    ]
+
+
+def main():
+    parser = argparse.ArgumentParser(prog="tests/gpu_check.sh", description="the GPU checks, in one short call")
+    parser.add_argument("--dry-run", action="store_true", help="every step on the CPU at tiny sizes")
+    parser.add_argument("--out", default=None, help="where gpu_check.json and the logs go (default: a new folder)")
+    parser.add_argument("--plan", action="store_true", help="print the commands, run nothing")
+    parser.add_argument("--first-step-only", action="store_true", help="the device and the data, then stop")
+    args = parser.parse_args()
+    out = args.out or tempfile.mkdtemp(prefix="gpu_check-")
+    tmp = os.path.join(out, "work")
+    sizes = SIZES["dry" if args.dry_run else "gpu"]
+    commands = {name: (command, env) for name, command, env in plan(sizes, tmp, args.dry_run)}
+    if args.plan:
+        for name, (command, env) in commands.items():
+            print(f"{name}: {' '.join(f'{k}={v}' for k, v in env.items())} {shlex.join(command)}".replace(": ", ": ", 1))
+        return
+    os.makedirs(tmp, exist_ok=True)
+    check, log = Check(out), os.path.join(out, "gpu_check.log")
+    print(f"gpu_check: writing {check.path} and {log}", flush=True)
+
+    def go(name):
+        command, env = commands[name]
+        return run(command, env, log)
+
+    def device():
+        import torch
+        if not args.dry_run and not torch.cuda.is_available():
+            raise RuntimeError("no CUDA device: run with --dry-run on the CPU")
+        name = torch.cuda.get_device_name() if torch.cuda.is_available() and not args.dry_run else "CPU (dry run)"
+        check.record(device=name, torch=torch.__version__, cuda=torch.version.cuda, dry_run=args.dry_run,
+                     date=time.strftime("%Y-%m-%d"), cpu_count=os.cpu_count())
+        return f"{name}, torch {torch.__version__}, CUDA {torch.version.cuda}, {os.cpu_count()} cores"
+
+    def data():
+        small = subprocess.Popen(commands["data small"][0], cwd=ROOT, stdout=subprocess.DEVNULL)
+        go("data full")
+        if small.wait():
+            raise RuntimeError("synthetic.py (the small set) failed")
+        return f"{sizes['train']} photo-like {sizes['frame'][0]}x{sizes['frame'][1]} frames ({sizes['unique']} drawn)"
+
+    check.step("device", device)
+    check.step("data", data)
+    if args.first_step_only:
+        return
+
+    def model_only():
+        import torch
+        sys.path.insert(0, ROOT)
+        import bench
+        if args.dry_run:
+            rate, peak, _ = bench.gpu_step_rate(torch.bfloat16, False, False, 4, 64, 10, 10, "cpu", SMALL_MODEL)
+        else:
+            rate, peak, _ = bench.gpu_step_rate(torch.bfloat16, True, False, 16, 768, 20, 10)
+            torch.cuda.empty_cache()
+        check.record(model_only_img_s=round(rate, 2), model_only_peak_gib=round(peak, 2))
+        return f"{rate:.1f} images/s, {peak:.1f} GiB"
+
+    def program(name, key):
+        output = go(name)
+        rate, wait = steady(output)
+        with open(os.path.join(commands[name][1]["OUTPUT_DIR"], "metrics.jsonl")) as f:
+            memory = json.loads(f.readline())["peak_memory_gib"]
+        results = {f"{key}_img_s": rate, f"{key}_data_wait": wait, f"{key}_peak_memory_gib": memory}
+        if "model_only_img_s" in check.results:
+            results[f"{key}_vs_model_only"] = round(rate / check.results["model_only_img_s"], 3)
+        check.record(**results, **({"peak_memory_gib": memory} if key == "program" else {}))
+        return ", ".join(f"{k} {v}" for k, v in results.items())
+
+    def cached():
+        go("fill cache")
+        return program("cached", "cached")
+
+    def resume():
+        go("resume 1")
+        second = go("resume 2")
+        import torch
+        checkpoint = torch.load(os.path.join(commands["resume 2"][1]["OUTPUT_DIR"], "checkpoint.pth"),
+                                map_location="cpu", weights_only=True)
+        scaler_saved = bool(checkpoint["scaler"]) or args.dry_run  # bf16 (dry run) has no GradScaler
+        ok = "resuming from" in second and checkpoint["epoch"] == 2 and scaler_saved
+        check.record(resume_ok=ok)
+        return f"resumed at epoch 1, finished epoch 2, GradScaler state {'saved' if checkpoint['scaler'] else 'none'}"
+
+    def preempt():
+        command, env = commands["preempt"]
+        with open(log, "a") as f:
+            f.write(f"$ {shlex.join(command)}\n")
+        process = subprocess.Popen(command, cwd=ROOT, env={**os.environ, **env}, stdout=subprocess.PIPE,
+                                   stderr=subprocess.STDOUT, text=True)
+        seen = []
+        for line in process.stdout:
+            seen.append(line)
+            if re.search(r"epoch 0 step 3/", line):
+                process.send_signal(signal.SIGTERM)  # as a scheduler would, to run.sh
+                break
+        seen += process.stdout.readlines()
+        status = process.wait(timeout=300)
+        with open(log, "a") as f:
+            f.write("".join(seen))
+        stopped = "stopped by signal" in "".join(seen) and status == 0
+        finished = "done:" in go("preempt resume")
+        check.record(preempt_ok=stopped and finished)
+        return f"SIGTERM: exit {status}, {'saved' if stopped else 'NOT saved'}; resumed to the end: {finished}"
+
+    def predict():
+        go("predict")
+        written = sum(len(files) for _, _, files in os.walk(os.path.join(tmp, "predictions")))
+        check.record(predict_ok=written == 3 * sizes["small_val"])
+        return f"{written} files for {sizes['small_val']} images"
+
+    def onnx():
+        go("export")
+        import numpy as np
+        import onnxruntime
+        import torch
+        sys.path.insert(0, ROOT)
+        import predict as predict_py
+        model, _ = predict_py.load_model(os.path.join(tmp, "o_resume", "checkpoint.pth"))
+        images = torch.randn(1, 3, 64, 128)
+        with torch.no_grad():
+            expected = model(images).numpy()
+        session = onnxruntime.InferenceSession(os.path.join(tmp, "model.onnx"), providers=["CPUExecutionProvider"])
+        difference = float(np.abs(session.run(None, {"images": images.numpy()})[0] - expected).max())
+        check.record(onnx_ok=difference < 1e-3, onnx_max_difference=difference)
+        return f"largest difference from PyTorch's logits {difference:.2e}"
+
+    check.step("model_only", model_only)
+    check.step("program", lambda: program("program", "program"))
+    check.step("cached", cached)
+    check.step("resume", resume)
+    check.step("preempt", preempt)
+    check.step("predict", predict)
+    check.step("onnx", onnx)
+    failed = check.failed + [k for k, v in check.results.items() if k.endswith("_ok") and v is False]
+    print(f"gpu_check: {'all passed' if not failed else 'FAILED: ' + ', '.join(sorted(set(failed)))}; results in "
+          f"{check.path}", flush=True)
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
