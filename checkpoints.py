@@ -75,8 +75,8 @@ def save(state, path, keep_previous=False):
         folder = os.path.dirname(os.path.abspath(path))
         kept = f"{path} is the last one written" if os.path.isfile(path) else "no checkpoint was kept"
         fail(f"cannot write {path} ({getattr(error, 'strerror', None) or first_line(error)}; "
-             f"{shutil.disk_usage(folder).free / 2**20:.0f} MiB free there): {kept}. Free space, then resume "
-             "with --resume auto")
+             f"{shutil.disk_usage(folder).free / 2**20:.0f} MiB free there): {kept}. Free space; then, to resume, "
+             f"{paths.resume_advice()}")
 
 
 # --- reading ----------------------------------------------------------------------------------------------

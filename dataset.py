@@ -193,7 +193,7 @@ class SegmentationFiles(torch.utils.data.Dataset):
         self._epoch.fill_(value)
 
     def check_files(self, decode_labels=False):
-        """Read every file's header (not its pixels: about 0.1 ms a pair): each opens as an image, and each
+        """Read every file's header (not its pixels: cheap even for thousands of pairs): each opens as an image, and each
         label has its image's size as read_image turns it. Catches most bad files before any training time is
         spent. decode_labels (or checks_every_label): also decode every label and check its values. -> (pixels
         of each class index in the decoded labels, numpy (256,), 255: ignored; the labels more than half ignored),
@@ -238,7 +238,7 @@ class SegmentationFiles(torch.utils.data.Dataset):
             (top, left, height, width), out_size, flip = crop_window(image.shape[:2], self.crop_size, generator,
                                                                      self.scale_range)
             # Slice, then copy (np.array): from a memory map only the region's rows are read. The copy is
-            # in (H, W, 3) order, in which torchvision's uint8 resize is fastest (3-4x).
+            # in (H, W, 3) order, in which torchvision's uint8 resize is fastest.
             region = np.array(image[top:top + height, left:left + width])
             label_region = np.array(label_values[top:top + height, left:left + width])
             image, label = resize_pad_flip(tv_tensors.Image(torch.from_numpy(region).permute(2, 0, 1)),
@@ -447,7 +447,7 @@ class FolderDataset(SegmentationFiles):
         if mask.ndim != 2 or mask.dtype != np.uint8:
             raise BadInput(f"{path} is not a mask of class indices ({mask.dtype}, shape {mask.shape}): a mask is an "
                            "8-bit greyscale or palette PNG holding one class index per pixel")
-        top = int(mask.max())  # fast (0.05 ms for 2 M pixels); the second pass only where ignore is the largest
+        top = int(mask.max())  # one fast pass; a second only where ignore is the largest value
         if top == self.ignore_value:
             top = int(np.where(mask == self.ignore_value, 0, mask).max())
         if top >= self.num_classes:
@@ -478,6 +478,13 @@ def palette_of(colors):
 def open_dataset(root, split="train", **options):
     """The data set at root: your own (FolderDataset) where root holds classes.json or images/, else Cityscapes.
     options: SegmentationFiles' (crop_size, seed, cache_dir, scale_range, color_jitter)."""
+    if os.path.isfile(root):
+        raise BadInput(f"{root} is a file, not a data set's folder" + (": unzip it into a folder and give that"
+                       if root.lower().endswith((".zip", ".tar", ".gz")) else ""))
+    archives = glob.glob(os.path.join(root, "*.zip"))
+    if archives and not any(os.path.isdir(os.path.join(root, sub)) for sub in ("leftImg8bit", "images")):
+        raise BadInput(f"{root} holds {os.path.basename(archives[0])} but no leftImg8bit/ or images/ folder: unzip "
+                       "the archives there (docs/cityscapes.md)")
     own = os.path.exists(os.path.join(root, "classes.json")) or os.path.isdir(os.path.join(root, "images"))
     return (FolderDataset if own else Cityscapes)(root, split, **options)
 

@@ -53,6 +53,8 @@ def _load_backbone_weights(net, backbone, pretrained):
                 f"Download that file elsewhere and pass its path to --pretrained-backbone, or train from scratch with "
                 f"--pretrained-backbone none") from None
     else:
+        if os.path.isdir(pretrained):
+            raise FileNotFoundError(f"--pretrained-backbone {pretrained} is a folder: give the weights file in it")
         if not os.path.isfile(pretrained):
             raise FileNotFoundError(f"--pretrained-backbone {pretrained}: no such file")
         try:
@@ -91,9 +93,9 @@ def _backbone(name, output_stride, pretrained):
         net = models.mobilenet_v3_large(weights=None, dilated=True)  # last stage dilated: stride 16
         _load_backbone_weights(net, name, pretrained)
         # torchvision builds MobileNetV3's BatchNorm with momentum 0.01 (an average over ~100 steps, made
-        # for long ImageNet runs). In a short run its running statistics trail the weights: the CPU demo
-        # evaluated at mIoU 0.34 with them and 0.62 with freshly measured ones. PyTorch's default, 0.1,
-        # as the ResNets and the DeepLab head use.
+        # for long ImageNet runs). In a short run its running statistics trail the weights, and the CPU demo
+        # evaluated far worse with them (BENCHMARKS.md's notes). PyTorch's default, 0.1, as the ResNets and
+        # the DeepLab head use.
         for module in net.modules():
             if isinstance(module, nn.BatchNorm2d):
                 module.momentum = 0.1

@@ -17,7 +17,10 @@ from models import build_model
 
 
 def _spawn(fn, world_size, tmp_path, *args):
-    mp.spawn(_entry, args=(fn, world_size, str(tmp_path), args), nprocs=world_size, join=True)
+    # fork: the children start without importing torch again (seconds each); one thread a process, so no
+    # thread pool is copied half-way.
+    mp.start_processes(_entry, args=(fn, world_size, str(tmp_path), args), nprocs=world_size, join=True,
+                       start_method="fork")
 
 
 def _entry(rank, fn, world_size, tmp, args):

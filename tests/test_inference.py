@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from conftest import TRAIN_ARGS, run
+from conftest import TRAIN_ARGS
 import inference
 import main
 from dataset import NUM_CLASSES, Cityscapes
@@ -90,8 +90,9 @@ def test_main_e_records_the_mode_and_its_speed(tiny_data, tmp_path):
     checkpoint = str(tmp_path / "random.pth")
     torch.save({"model": varied_model().state_dict(), "args": {"model": TRAIN_ARGS[1], "output_stride": 16}},
                checkpoint)
-    run([PY, "main.py", "-e", "--resume", checkpoint, "--data", tiny_data, "--output-dir", str(tmp_path),
-         *TRAIN_ARGS, "--eval-scales", "0.75", "1.0", "--eval-flip", "--eval-crop", "24", "--eval-stride", "16"])
+    main.main(main.get_args_parser().parse_args([
+        "-e", "--resume", checkpoint, "--data", tiny_data, "--output-dir", str(tmp_path), *TRAIN_ARGS,
+        "--eval-scales", "0.75", "1.0", "--eval-flip", "--eval-crop", "24", "--eval-stride", "16"]))
     with open(tmp_path / "eval.json") as f:
         result = json.load(f)
     assert result["mode"] == "scales 0.75,1 + flip + window 24x24 stride 16x16"
