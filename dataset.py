@@ -193,7 +193,7 @@ class SegmentationFiles(torch.utils.data.Dataset):
         self._epoch.fill_(value)
 
     def check_files(self, decode_labels=False):
-        """Read every file's header (not its pixels: cheap even for thousands of pairs): each opens as an image, and each
+        """Read every file's header (not its pixels: cheap for thousands of pairs): each opens as an image, and each
         label has its image's size as read_image turns it. Catches most bad files before any training time is
         spent. decode_labels (or checks_every_label): also decode every label and check its values. -> (pixels
         of each class index in the decoded labels, numpy (256,), 255: ignored; the labels more than half ignored),
@@ -561,7 +561,7 @@ def prepare_cache(root, cache_dir, splits, workers):
     print(f"{cache_dir} holds {size / 2**30:.2f} GiB")
 
 
-if __name__ == "__main__":
+def get_args_parser():
     parser = argparse.ArgumentParser(prog="dataset.py", description="Fill the decode cache: every frame of --data's "
                                      "splits decoded once into CACHE_DIR (optional: training fills it as it reads).")
     parser.add_argument("--prepare-cache", metavar="CACHE_DIR", required=True, help="the cache folder (--cache-dir)")
@@ -569,7 +569,11 @@ if __name__ == "__main__":
     parser.add_argument("--split", nargs="+", choices=("train", "val", "test"), default=["train", "val"])
     parser.add_argument("-j", "--workers", type=at_least(0), default=os.cpu_count(),
                         help="processes decoding at once; 0: this one")
-    args = parser.parse_args()
+    return parser
+
+
+if __name__ == "__main__":
+    args = get_args_parser().parse_args()
     try:
         prepare_cache(args.data, args.prepare_cache, args.split, args.workers)
     except (BadInput, paths.UserError) as error:

@@ -227,7 +227,7 @@ def write_synthetic(root, num_train=200, num_val=50, size=(256, 128), seed=0, ph
     paths.write_folder(root, write)
 
 
-if __name__ == "__main__":
+def get_args_parser():
     parser = argparse.ArgumentParser(prog="synthetic.py", description=__doc__.split("\n")[0])
     parser.add_argument("folder", metavar="DIR", help="a new or empty folder to write the data set into")
     parser.add_argument("--num-train", type=at_least(1), default=200)
@@ -236,11 +236,16 @@ if __name__ == "__main__":
     parser.add_argument("--seed", type=at_least(0), default=0)
     parser.add_argument("--layout", choices=("cityscapes", "folder"), default="cityscapes",
                         help="Cityscapes' layout (19 classes), or images/, masks/ and classes.json (7 classes)")
-    parser.add_argument("--photo", action="store_true", help="photo-like frames: as large and slow to decode as real ones")
+    parser.add_argument("--photo", action="store_true", help="photo-like: as large and slow to decode as real frames")
     parser.add_argument("--unique", type=at_least(1), default=None, metavar="N",
-                        help="draw N scenes a split and link the others to them (default: every scene drawn)")
-    parser.add_argument("-j", "--workers", type=at_least(0), default=1, help="processes drawing at once (0 or 1: this one)")
-    args = parser.parse_args()
+                        help="draw N scenes a split and link the others to them (default: all drawn)")
+    parser.add_argument("-j", "--workers", type=at_least(0), default=1,
+                        help="processes drawing at once (0, 1: this one)")
+    return parser
+
+
+if __name__ == "__main__":
+    args = get_args_parser().parse_args()
     try:
         write_synthetic(args.folder, args.num_train, args.num_val, tuple(args.size), args.seed, args.photo,
                         args.layout, args.workers, args.unique)
