@@ -4,7 +4,7 @@ cannot be used); the model they give; writing them so that a crash never leaves 
     start = checkpoints.decide_start(args)          # --resume PATH|auto, a torchrun restart, or a fresh start
     model = checkpoints.start_model(args, classes, start)   # its weights, or --weights, or the pretrained backbone
     position = checkpoints.resume_training(start, optimizer, scaler, args, world_size)
-    checkpoints.keep_what_a_rewind_drops(args, start, position)   # resuming an older checkpoint of the run
+    checkpoints.continue_run_at(args, start, position)   # metrics from there; a rewind keeps what it drops
     checkpoints.save(state, path, keep_previous=True)   # temporary file, fsync, rename
 
 A checkpoint is a dict (weights_only: data, not code): model, optimizer, scaler (GradScaler), epoch and step
@@ -16,19 +16,15 @@ import shutil
 from types import SimpleNamespace
 
 import torch
+import torch.distributed as dist
 
 import paths
 from dataset import CLASS_NAMES
 from models import build_model
-from paths import fail
+from paths import fail, first_line
 from recovery import log
 
 TRAINING_STATE = ("optimizer", "scaler", "epoch", "world_size", "batch_size")  # what resuming training needs
-
-
-def first_line(error):
-    """An error's own first line, whole (torch's messages run over several lines)."""
-    return (str(error).strip().splitlines() or [type(error).__name__])[0]
 
 
 # --- writing ----------------------------------------------------------------------------------------------
@@ -142,28 +138,29 @@ def _load_fitting(model, weights, flag, path, model_name):
 def decide_start(args):
     """Which run this is, decided here alone (no module rewrites --resume):
 
-    - torchrun restarted this worker after a failure: the run's own last checkpoint, whatever the flags say;
+    - torchrun restarted a training worker after a failure: the run's own last checkpoint, whatever the flags
+      say; none yet: where the first attempt started (--resume PATH, or afresh);
     - --resume auto: OUTPUT_DIR/checkpoint.pth, or the one before it when that cannot be read; neither there: a
       fresh start. With --overwrite: a fresh start (run.sh passes --resume auto every time);
-    - --resume PATH: that file (with -e: the model to evaluate).
+    - --resume PATH: that file (with -e: the model to evaluate, restarted or not).
 
     -> namespace(path, checkpoint): the checkpoint read (all ranks read it, before anything is written), or
     None for a fresh start; auto: whether it is the run's own (--resume auto or a restart)."""
-    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0 and not args.evaluate
+    explicit = args.resume not in ("", "auto")
     auto = restart or (args.resume == "auto" and not args.overwrite)
+    checkpoint = path = None
     if auto:
-        checkpoint, path = _find_in_run(args.output_dir, args.evaluate)
-    elif args.resume and args.resume != "auto":
+        checkpoint, path = _find_in_run(args.output_dir, args.evaluate, say_none=not (restart and explicit))
+    if checkpoint is None and explicit:
         checkpoint, path = read("--resume", args.resume), args.resume
-    else:
-        checkpoint, path = None, None
     start = SimpleNamespace(path=path, checkpoint=checkpoint, auto=auto)
     if checkpoint is not None and not args.evaluate:
         _check_it_can_resume(start, args)
     return start
 
 
-def _find_in_run(output_dir, evaluate):
+def _find_in_run(output_dir, evaluate, say_none=True):
     """--resume auto: output_dir/checkpoint.pth, else the one before it. A file there that cannot be read, with
     no usable one before it, stops the run: those files are evidence, not to be replaced."""
     problems = []
@@ -183,7 +180,8 @@ def _find_in_run(output_dir, evaluate):
              "move them aside to start afresh, or give --resume a good checkpoint")
     if evaluate:
         fail(f"-e --resume auto: no checkpoint in {output_dir} to evaluate; give --resume PATH")
-    log(f"no checkpoint in {output_dir}: starting afresh")
+    if say_none:
+        log(f"no checkpoint in {output_dir}: starting afresh")
     return None, None
 
 
@@ -256,9 +254,9 @@ def resume_training(start, optimizer, scaler, args, world_size):
     -> namespace(epoch, step, best_miou, epoch_loss_sum): where training goes on (epoch --start-epoch, step 0,
     nothing seen yet, for a fresh start)."""
     position = SimpleNamespace(epoch=args.start_epoch, step=0, best_miou=float("-inf"), epoch_loss_sum=0.0)
-    checkpoint = start.checkpoint
+    checkpoint, start.checkpoint = start.checkpoint, None  # not kept for the whole run: a model and more per rank
     if checkpoint is None or args.evaluate:  # -e: the model's weights are all it needs
-        return position
+        return _same_on_every_rank(position)
     if args.start_epoch:  # --resume auto (run.sh, a restart): the checkpoint wins, and that is said
         log(f"note: --start-epoch {args.start_epoch} is ignored: {start.path} says where to continue")
     where = f"epoch {checkpoint['epoch']}" + (f" step {checkpoint['step']}" if checkpoint.get("step") else "")
@@ -275,50 +273,56 @@ def resume_training(start, optimizer, scaler, args, world_size):
         log(f"note: the checkpoint was trained with {before[0]} process(es) x {before[1]} images; this run has "
             f"{world_size} x {args.batch_size}. It continues at the same epoch and learning-rate position, but "
             "not bitwise as an uninterrupted run would")
+    return _same_on_every_rank(position)
+
+
+def _same_on_every_rank(position):
+    """Every rank read its start itself: a stale copy on one node's view of a shared filesystem, or a fallback
+    to the checkpoint before, would start the ranks at different steps, and their collectives would never
+    match (a hang). A collective compares them: any difference ends the run with one line."""
+    if dist.is_initialized():
+        device = "cuda" if dist.get_backend() == "nccl" else "cpu"  # NCCL reduces GPU tensors only
+        here = torch.tensor([position.epoch, position.step], dtype=torch.float64, device=device)
+        low, high = here.clone(), here.clone()
+        dist.all_reduce(low, op=dist.ReduceOp.MIN)
+        dist.all_reduce(high, op=dist.ReduceOp.MAX)
+        if not torch.equal(low, high):
+            fail(f"the ranks read different checkpoints (epochs/steps from {low.int().tolist()} to "
+                 f"{high.int().tolist()}): is --output-dir on a filesystem every node sees alike? Then resume again")
     return position
 
 
-class SkipFirst(torch.utils.data.Sampler):
-    """A sampler's order from an offset on: an epoch resumed part-way yields only the batches it has not seen.
-    Set `skip` (samples) before each epoch; the wrapped sampler (DistributedSampler) decides the order, so the
-    rest is what the stopped run would have seen, through the same DataLoader and its persistent workers."""
+# --- where the run's files begin -------------------------------------------------------------------------------
+def continue_run_at(args, start, position):
+    """Rank 0, before training: the run's files made to begin at `position`. metrics.jsonl keeps the epochs
+    before it (the line of an epoch in flight, or one cut short by a crash, goes: that epoch is done again).
 
-    def __init__(self, sampler):
-        self.sampler, self.skip = sampler, 0
-
-    def __iter__(self):
-        return iter(list(self.sampler)[self.skip:])
-
-    def __len__(self):
-        return len(self.sampler) - self.skip
-
-
-# --- a rewind --------------------------------------------------------------------------------------------------
-def keep_what_a_rewind_drops(args, start, position):
-    """Rank 0, before training: metrics.jsonl keeps the epochs before `position` (the run writes the later ones
-    again). When the run starts from an older checkpoint than its own latest (--resume OUTPUT_DIR/best.pth, or
-    the one before a damaged checkpoint.pth), what that drops is kept under names that say so: the metrics lines
-    of the later epochs, and the later checkpoint.pth and best.pth; one line says where."""
+    A rewind, a start from an older checkpoint of the run than its latest (--resume OUTPUT_DIR/best.pth, or the
+    one before a damaged checkpoint.pth), keeps what it drops under names that say so (the later checkpoints and
+    best.pth, the metrics lines of the later epochs) and says where in one line; and its start becomes the
+    run's checkpoint.pth, so that a torchrun restart continues the rewound run, not the one it left."""
     out = args.output_dir
     metrics, latest = os.path.join(out, "metrics.jsonl"), os.path.join(out, "checkpoint.pth")
-    kept, dropped = _split_metrics(metrics, position.epoch)
-    rewind = start.checkpoint is not None and not paths.inside(start.path, latest)
-    if not rewind:
-        if dropped:  # the epoch in flight when the run stopped: it is done again
-            write_atomically(metrics, "".join(kept).encode())
-        return
+    kept, dropped, total = _split_metrics(metrics, position.epoch)
+    rewind = start.path is not None and paths.inside(start.path, out) and not paths.inside(start.path, latest)
     saved = []
-    for name in ("checkpoint.pth", "best.pth"):
-        path = os.path.join(out, name)
-        if os.path.isfile(path) and not paths.inside(start.path, path):
-            copy = paths.beside(path, "rewound")
-            os.link(path, copy)  # a second name: the run replaces the first, this one stays
-            saved.append(os.path.basename(copy))
-    if dropped:
+    if rewind:
+        for name in ("checkpoint.pth", "checkpoint.prev.pth", "best.pth"):
+            path = os.path.join(out, name)
+            if os.path.isfile(path) and not paths.inside(start.path, path):
+                copy = paths.beside(path, "rewound")
+                os.link(path, copy)  # a second name: the run replaces the first, this one stays
+                saved.append(os.path.basename(copy))
+        if os.path.isfile(previous_path(latest)) and not paths.inside(start.path, previous_path(latest)):
+            os.remove(previous_path(latest))  # later than the start, and kept above: no fallback to it
+        os.link(start.path, latest + ".tmp")
+        os.replace(latest + ".tmp", latest)
+    if dropped and rewind:
         copy = paths.beside(metrics, "rewound")
         write_atomically(copy, "".join(dropped).encode())
-        write_atomically(metrics, "".join(kept).encode())
         saved.append(f"{os.path.basename(copy)} ({len(dropped)} later epoch(s))")
+    if len(kept) != total:
+        write_atomically(metrics, "".join(kept).encode())
     if saved:
         hidden = ("; TensorBoard hides its later points" if os.path.isdir(os.path.join(out, "tensorboard")) else "")
         log(f"note: resuming from {start.path} (epoch {position.epoch}) rewinds this run; what came after it is kept "
@@ -326,14 +330,15 @@ def keep_what_a_rewind_drops(args, start, position):
 
 
 def _split_metrics(path, epoch):
-    """metrics.jsonl's lines -> (those of the epochs before `epoch`, the complete ones after). A line cut short
-    by a crash belonged to the epoch being redone, and is dropped."""
-    kept, dropped = [], []
+    """metrics.jsonl's lines -> (those of the epochs before `epoch`, the complete ones after, how many lines). A
+    line cut short by a crash belonged to the epoch being redone: in neither list."""
+    kept, dropped, total = [], [], 0
     if os.path.isfile(path):
         with open(path) as f:
             for line in f:
+                total += 1
                 try:
                     (kept if json.loads(line)["epoch"] < epoch else dropped).append(line)
                 except (ValueError, KeyError, TypeError):
                     pass
-    return kept, dropped
+    return kept, dropped, total

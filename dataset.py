@@ -123,6 +123,21 @@ def jitter_colors(image, strength, generator):
     return F.adjust_saturation(image, saturation)
 
 
+class SkipFirst(torch.utils.data.Sampler):
+    """A sampler's order from an offset on: an epoch resumed part-way yields only the batches it has not seen.
+    Set `skip` (samples) before each epoch; the wrapped sampler (DistributedSampler) decides the order, so the
+    rest is what the stopped run would have seen, through the same DataLoader and its persistent workers."""
+
+    def __init__(self, sampler):
+        self.sampler, self.skip = sampler, 0
+
+    def __iter__(self):
+        return iter(list(self.sampler)[self.skip:])
+
+    def __len__(self):
+        return max(0, len(self.sampler) - self.skip)
+
+
 def default_workers():
     """DataLoader workers for one training process: its share of the cores it may run on, less one for the
     process itself (at least 1, at most 16). torchrun sets LOCAL_WORLD_SIZE, the processes on this machine."""
@@ -304,6 +319,7 @@ class Cityscapes(SegmentationFiles):
 
     def save_prediction(self, index, prediction, folder):
         """(H, W) trainIds -> a labelIds PNG named after the image: what the official evaluation reads."""
+        os.makedirs(folder, exist_ok=True)  # each rank writes its own images' files, on its own node too
         Image.fromarray(TRAINID_TO_ID[prediction].numpy()).save(
             os.path.join(folder, f"{self.image_id(index)}_pred_labelIds.png"))
 
@@ -521,13 +537,6 @@ def open_datasets(args, crop_size, world_size):
         fail(f"--batch-size {args.batch_size} is more than a process's share of the {len(train_set)} training "
              f"images ({share} with {world_size} processes): use a smaller batch or fewer processes")
     return train_set, val_set
-
-
-def colorize(labels, colors=CLASS_COLORS):
-    """(H, W) class indices -> (H, W, 3) uint8 in the classes' colours (Cityscapes' by default); ignore is black."""
-    palette = torch.zeros(256, 3, dtype=torch.uint8)
-    palette[:len(colors)] = torch.tensor(colors, dtype=torch.uint8)
-    return palette[labels.long()]
 
 
 _preparing = None  # the data set a prepare_cache worker process fills the cache for

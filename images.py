@@ -17,7 +17,7 @@ import secrets
 import numpy as np
 from PIL import Image, ImageOps
 
-from paths import BadInput
+from paths import BadInput, first_line
 
 try:  # torchcodec: the decoder torchvision 0.29 names as its successor; bundles libpng, needs no FFmpeg
     from torchcodec.decoders import decode_image as _torchcodec_decode
@@ -34,8 +34,7 @@ def _header(path, size=26):
 
 
 def _why(path, error):
-    return BadInput(f"{path} cannot be decoded ({(str(error).splitlines() or [type(error).__name__])[0]}); replace "
-                    "it, or remove the image and its label")
+    return BadInput(f"{path} cannot be decoded ({first_line(error)}); replace it, or remove the image and its label")
 
 
 def read_image(path):

@@ -1,5 +1,5 @@
 """Train DeepLab (V3, V3+) on Cityscapes, or your own data, with DistributedDataParallel: the DDP tutorial's four
-steps with its holes fixed, each marked "Step N". Four launch forms (a process per GPU; no GPU: gloo on the CPU):
+steps with its holes fixed, each marked "Step N". It launches four ways (a process per GPU; no GPU: gloo on the CPU):
 
     CUDA_VISIBLE_DEVICES=0,1 ./run.sh                                    # torchrun, one process per GPU
     torchrun --standalone --nproc_per_node=2 main.py --data data/cityscapes
@@ -33,7 +33,7 @@ import paths
 import records
 import recovery
 from checks import at_least, fraction, non_negative, positive
-from dataset import IGNORE_INDEX, default_workers, normalize, open_datasets
+from dataset import IGNORE_INDEX, SkipFirst, default_workers, normalize, open_datasets
 from models import MODEL_NAMES
 from recovery import get_rank, get_world_size, is_main_process, log
 
@@ -183,10 +183,10 @@ def train_one_epoch(model, optimizer, scaler, loader, device, epoch, first_step,
             writer = records.draw(writer, epoch * steps_per_epoch + step + 1,  # x: the iteration, continued on resume
                           {"train/loss": mean_loss, "train/lr": lr, "train/images_per_s": images_per_s})
             window_start, window_steps, window_wait = now, 0, 0.0
-        if stopped:
+        if stopped and step + 1 < steps_per_epoch:  # at the last step the epoch is done: evaluated, then stopped
             break
-    else:  # every step done: the last vote still counts for a NaN; a signal now stops after the evaluation
-        stopped = "nonfinite" if vote.result() == "nonfinite" else None
+    else:  # every step done: a NaN in the last votes still stops it; a signal, after the evaluation
+        stopped = "nonfinite" if "nonfinite" in (stopped, vote.result()) else None
     elapsed = max(time.time() - start, 1e-9)
     # The epoch's sums over the ranks; the largest data wait; and each rank's peak memory (GPU: allocated,
     # CPU: resident), to see that rank 0 carries no more than the others, as DataParallel's first GPU did.
@@ -352,7 +352,7 @@ def main(args):
     # must not shuffle (shuffle=False): the sampler shuffles, with the same seed on every rank.
     train_sampler = DistributedSampler(run.train_set, num_replicas=world_size, rank=rank, shuffle=True,
                                        seed=args.seed)
-    resumable = checkpoints.SkipFirst(train_sampler)  # an epoch resumed part-way skips the batches it has seen
+    resumable = SkipFirst(train_sampler)  # the tutorial passes train_sampler; a resumed epoch skips what it has seen
     # drop_last: every batch full, and every rank runs the same number of steps, which DDP needs.
     # Augmentation is drawn from (seed, epoch, image index), so no worker needs a seed of its own and a
     # resumed run draws what an uninterrupted one would. pin_memory: page-locked batches, so that the
@@ -388,7 +388,7 @@ def train(args, run, model, model_without_ddp, optimizer, scaler, train_loader, 
     steps_per_epoch, world_size = len(train_loader), get_world_size()  # len: before a resumed epoch's skip
     checkpoint_path = os.path.join(args.output_dir, "checkpoint.pth")
     if is_main_process():
-        checkpoints.keep_what_a_rewind_drops(args, run.start, position)
+        checkpoints.continue_run_at(args, run.start, position)  # metrics from here; a rewind keeps what it drops
     recovery.install_signal_handlers()  # SIGTERM / Ctrl-C: finish the step, save, exit 0 (recovery.py)
     writer = records.open_writer(args, position.epoch * steps_per_epoch + position.step + 1)
     best_miou, epoch_loss_sum = position.best_miou, position.epoch_loss_sum

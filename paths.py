@@ -6,7 +6,7 @@ dataset.py, synthetic.py, checkpoints.py, main.py and predict.py all use it.
     paths.check_folder("--output-dir", out, reads=[("--data", data)])   # a folder, not on or in an input
     paths.make_folder("--output-dir", out)                    # made with its missing parents, and probed
     paths.check_file("--export", path, reads=[("--resume", ckpt)], replaceable=is_export)
-    paths.move_aside(out, RUN_FILES, "replaced")              # --overwrite: the old run moved beside, not deleted
+    paths.move_aside(out, RUN_FILES, "replaced")              # --overwrite: the old run put aside, not deleted
     paths.write_folder(path, write)                           # a generated data set: whole, or not at all
 
 The error types live here, the lowest module, so that every module can raise them; recovery.guard says them.
@@ -33,6 +33,11 @@ def fail(message, this_rank=False):
 class BadInput(ValueError):
     """A file of the data set that cannot be used (damaged, mislabelled), found while reading it: said in one line
     by the rank that read it, whichever that is; also when a DataLoader worker raised it."""
+
+
+def first_line(error):
+    """An error's own first line, whole (torch's messages run over several lines; a cut one says less)."""
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
 
 
 def named(flag):
@@ -98,8 +103,8 @@ def check_file(flag, path, reads=(), replaceable=None):
 
 
 def beside(path, label):
-    """A name beside path that says what happened to it and when, not yet taken: out -> out.replaced-20261130-
-    230405; checkpoint.pth -> checkpoint.rewound-20261130-230405.pth."""
+    """A name beside path that says what happened to it and when, not yet taken: checkpoint.pth ->
+    checkpoint.rewound-20261130-230405.pth; data -> data.partial-20261130-230405."""
     folder, name = os.path.split(os.path.abspath(path.rstrip(os.sep)))
     stem, extension = (name, "") if os.path.isdir(path) else os.path.splitext(name)
     stamp = time.strftime("%Y%m%d-%H%M%S")
@@ -111,12 +116,15 @@ def beside(path, label):
 
 
 def move_aside(folder, names, label):
-    """Move the entries `names` of folder (those present) into a new folder beside it whose name says why
-    (FOLDER.replaced-DATE-TIME): nothing is deleted. -> that folder, or None when none was present."""
-    present = [name for name in names if os.path.lexists(os.path.join(folder, name))]
+    """Move the entries `names` of folder (those present, and files kept by a rewind) into a new folder inside
+    it whose name says why and when (FOLDER/replaced-DATE-TIME): nothing is deleted, and a rename within one
+    folder works on any filesystem, a mount point too. -> that folder, or None when none was present."""
+    present = [name for name in os.listdir(folder) if name in names or ".rewound-" in name]
     if not present:
         return None
-    target = beside(folder, label)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    target = next(os.path.join(folder, f"{label}-{stamp}{f'-{n}' if n else ''}") for n in range(1000)
+                  if not os.path.exists(os.path.join(folder, f"{label}-{stamp}{f'-{n}' if n else ''}")))
     try:
         os.makedirs(target)
         for name in present:
@@ -149,11 +157,14 @@ def write_folder(path, write):
         raise
 
 
+_overwriting = []  # set by check_no_run_replaced: this command has --overwrite
+
+
 def resume_advice():
-    """How to carry on a stopped run, as the user started it."""
+    """How to carry on a stopped run, as the user started it (without --overwrite: it would put it aside)."""
     if os.environ.get("DEEPLAB_RUN_SH") == "1":
-        return "run the same ./run.sh line again"
-    return "run the same command with --resume auto"
+        return "run the same ./run.sh line again" + (" without --overwrite" if _overwriting else "")
+    return "run the same command with --resume auto" + (" and without --overwrite" if _overwriting else "")
 
 
 # --- main.py's folders ----------------------------------------------------------------------------------------
@@ -174,6 +185,7 @@ def check_run_folders(args):
 def check_no_run_replaced(args, start):
     """No other run in --output-dir is replaced without a word, and no file the run reads (--weights) is one that
     --overwrite moves aside. start: checkpoints.decide_start's (whether this run continues one there)."""
+    _overwriting[:] = [True] if args.overwrite else []
     found = [name for name in RUN_FILES[:5] if os.path.exists(os.path.join(args.output_dir, name))]
     if (replacing(args, start) and args.weights and start.checkpoint is None
             and any(inside(args.weights, os.path.join(args.output_dir, name)) for name in RUN_FILES)):

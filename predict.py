@@ -40,6 +40,7 @@ import checkpoints
 import checks
 import inference
 import paths
+import records
 import recovery
 from checks import at_least, fraction
 from dataset import CLASS_COLORS, CLASS_NAMES, TRAINID_TO_ID, default_workers, normalize
@@ -88,7 +89,7 @@ def load_model(path):
     try:
         model.load_state_dict(checkpoint["model"])
     except RuntimeError as error:
-        fail(f"--resume {path} does not fit {saved['model']} ({checkpoints.first_line(error)})")
+        fail(f"--resume {path} does not fit {saved['model']} ({paths.first_line(error)})")
     classes = checkpoint.get("classes") or {"names": CLASS_NAMES, "colors": CLASS_COLORS}
     if len(classes["names"]) != num_classes:
         fail(f"--resume {path} has {num_classes} classes but names for {len(classes['names'])}")
@@ -146,7 +147,7 @@ class ImageFiles(Dataset):
             # uint8 (3, H, W), decoded as training decodes its files (images.py): as a viewer shows the file
             return index, torch.from_numpy(read_image(self.paths[index]).copy()).permute(2, 0, 1), ""
         except Exception as error:  # the main loop names the file and goes on with the others
-            return index, None, checkpoints.first_line(error)
+            return index, None, paths.first_line(error)
 
 
 def output_paths(output_dir, name, what, label_folder):
@@ -212,8 +213,7 @@ def predict_all(args, model, classes, shard, mode, device, autocast, label_folde
     workers = args.workers if args.workers is not None else default_workers()
     loader = DataLoader(ImageFiles([path for path, _ in shard]), batch_size=None, num_workers=workers,
                         pin_memory=device.type == "cuda", worker_init_fn=recovery.ignore_sigint)
-    palette = torch.zeros(256, 3, dtype=torch.uint8)
-    palette[:len(classes["colors"])] = torch.tensor(classes["colors"], dtype=torch.uint8)
+    palette = records.palette(classes["colors"])
     writer = concurrent.futures.ThreadPoolExecutor(max_workers=2)
     writes, done, failed, world_size = [], 0, 0, recovery.get_world_size()
     start = last_report = time.time()

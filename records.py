@@ -20,7 +20,7 @@ from PIL import Image
 
 import checkpoints
 import paths
-from dataset import colorize
+from dataset import CLASS_COLORS
 from paths import fail
 from recovery import is_main_process, log
 
@@ -55,6 +55,18 @@ def peak_memory_gib(device):
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # resident set, KiB on Linux
+
+
+def palette(colors):
+    """(256, 3) uint8: a colour for every class index, black past the classes (255: ignore)."""
+    table = torch.zeros(256, 3, dtype=torch.uint8)
+    table[:len(colors)] = torch.tensor(colors, dtype=torch.uint8)
+    return table
+
+
+def colorize(labels, colors=CLASS_COLORS):
+    """(H, W) class indices -> (H, W, 3) uint8 in the classes' colours (Cityscapes' by default); ignore is black."""
+    return palette(colors)[labels.long()]
 
 
 def save_picture(path, sample, colors):

@@ -34,7 +34,7 @@ from paths import BadInput, UserError, fail
 
 # This module's state, in one place: set by main.py and the signal handler, read by the heartbeat.
 _state = SimpleNamespace(quiet=False, signal=None, signal_time=0.0, step=0, output_dir=None,
-                         started=time.time(), heartbeat=None, program="main.py")
+                         started=time.time(), heartbeat=None, program="main.py", handlers=None)
 
 
 # --- who speaks -------------------------------------------------------------------------------------------
@@ -83,7 +83,9 @@ def guard(program, output_dir=None):
     Anything else is a bug, not a mistake: its traceback is kept. output_dir: where a mistake is recorded for
     the peers and restarts, and where the last checkpoint is (main.py's), or None (predict.py).
     """
-    _state.program, _state.output_dir = program, output_dir
+    # A run starts with nothing said and no signal seen (a second run in one process too: the tests').
+    _state.program, _state.output_dir, _state.quiet, _state.signal = program, output_dir, False, None
+    _state.started = time.time()
     _exit_if_stopped_before()
     try:
         yield
@@ -104,6 +106,11 @@ def guard(program, output_dir=None):
         print(f"{program}: error: rank {get_rank()}: a collective failed or waited more than --dist-timeout "
               f"({_one_line(error)}). {describe_peers()}.{last}", file=sys.stderr, flush=True)
         os._exit(1)
+    finally:
+        if _state.handlers is not None:  # the signals go back to what they did before this run
+            for signum, handler in _state.handlers.items():
+                signal.signal(signum, handler)
+            _state.handlers = None
 
 
 def guarded(program, folder=None):
@@ -206,8 +213,7 @@ def _exit_if_stopped_before():
 def install_signal_handlers():
     """SIGTERM (a scheduler's preemption, torchrun passing one on) or SIGINT (Ctrl-C): main.py finishes the
     step, the ranks agree, rank 0 saves where they are, all exit 0. A second signal exits at once."""
-    signal.signal(signal.SIGTERM, _on_signal)
-    signal.signal(signal.SIGINT, _on_signal)
+    _state.handlers = {signum: signal.signal(signum, _on_signal) for signum in (signal.SIGTERM, signal.SIGINT)}
 
 
 def _on_signal(signum, frame):
@@ -304,7 +310,8 @@ class StopVote:
     queued behind the step, and reads the vote of the step before, which is long done by then. Reading a vote
     at once would make the CPU wait for its whole step to finish before queueing the next: the GPU would idle
     while the next batch is copied and its kernels launched. So every rank stops at the same step, one step
-    after the cause: a signal stops them within two steps, with a checkpoint; a NaN step is never saved. On
+    after the cause: a signal stops them within two steps, with a checkpoint (the step the stop is read at is
+voted on as well, once, so that a NaN there is not saved either); a NaN step is never saved. On
     the CPU (gloo) the all_reduce is done when it returns, and the delay changes nothing."""
 
     def __init__(self, device):
@@ -322,7 +329,10 @@ class StopVote:
             done = torch.cuda.Event()
             done.record()
         previous, self.pending = self.pending, (votes, done)
-        return self._decision(previous)
+        decision = self._decision(previous)
+        if decision == "signal" and self.result() == "nonfinite":  # this step's too: its weights are not saved
+            decision = "nonfinite"
+        return decision
 
     def result(self):
         """The last step's decision, once the epoch's steps are queued."""

@@ -16,6 +16,7 @@ the next one runs), and says it in one line:
     peak_memory_gib   each rank's, from metrics.jsonl
     resume_ok         --amp fp16 with a GradScaler, resumed (--dry-run: bf16, which the CPU has)
     preempt_ok        SIGTERM to run.sh mid-epoch: exit 0 with a checkpoint, then resumed to the end
+    nan_ok            a loss that turns NaN (--lr 1e38, the vote read one step late): exit 1, checkpoint unchanged
     predict_ok        predict.py on the GPU with --amp
     onnx_ok           predict.py --export, run by onnxruntime: PyTorch's logits
 """
@@ -122,6 +123,8 @@ def plan(sizes, tmp, dry):
          {**cpu, "DATA": small, "OUTPUT_DIR": os.path.join(tmp, "o_preempt")}),
         ("preempt resume", ["./run.sh", *small_run, "--epochs", "1", "-p", "50"],
          {**cpu, "DATA": small, "OUTPUT_DIR": os.path.join(tmp, "o_preempt")}),
+        ("nan", ["./run.sh", *small_run, "-b", "8", "--epochs", "3", "--lr", "1e38", "-p", "50"],
+         {**cpu, "DATA": small, "OUTPUT_DIR": os.path.join(tmp, "o_resume")}),
         ("predict", [PY, "predict.py", "--resume", os.path.join(tmp, "o_resume", "checkpoint.pth"),
                      os.path.join(small, "leftImg8bit", "val"), "--output-dir", os.path.join(tmp, "predictions"),
                      "--amp", "-j", "2"], {**cpu}),
@@ -233,6 +236,22 @@ def main():
         check.record(preempt_ok=stopped and finished)
         return f"SIGTERM: exit {status}, {'saved' if stopped else 'NOT saved'}; resumed to the end: {finished}"
 
+    def nan():
+        import hashlib
+        command, env = commands["nan"]
+        checkpoint = os.path.join(env["OUTPUT_DIR"], "checkpoint.pth")
+        with open(checkpoint, "rb") as f:
+            before = hashlib.sha1(f.read()).hexdigest()
+        result = subprocess.run(command, cwd=ROOT, env={**os.environ, **env}, capture_output=True, text=True,
+                                timeout=300)
+        with open(log, "a") as f:
+            f.write(f"$ {shlex.join(command)}\n{result.stdout}{result.stderr}\n")
+        with open(checkpoint, "rb") as f:
+            kept = hashlib.sha1(f.read()).hexdigest() == before
+        said = "NaN or infinite" in result.stderr
+        check.record(nan_ok=result.returncode == 1 and said and kept)
+        return f"exit {result.returncode}, {'said' if said else 'NOT said'}, checkpoint {'kept' if kept else 'CHANGED'}"
+
     def predict():
         go("predict")
         written = sum(len(files) for _, _, files in os.walk(os.path.join(tmp, "predictions")))
@@ -260,6 +279,7 @@ def main():
     check.step("cached", cached)
     check.step("resume", resume)
     check.step("preempt", preempt)
+    check.step("nan", nan)
     check.step("predict", predict)
     check.step("onnx", onnx)
     failed = check.failed + [k for k, v in check.results.items() if k.endswith("_ok") and v is False]

@@ -131,8 +131,7 @@ def test_overwrite_moves_a_previous_run_aside_and_resume_auto_does_not_replace_i
     assert _snapshot(previous_run) == before
     main.main(main.get_args_parser().parse_args(common + ["--overwrite"]))  # as ./run.sh --overwrite runs it
     said = capsys.readouterr().out
-    [moved] = [os.path.join(os.path.dirname(previous_run), name) for name in os.listdir(os.path.dirname(previous_run))
-               if name.startswith("out.replaced-")]
+    [moved] = [os.path.join(previous_run, name) for name in os.listdir(previous_run) if name.startswith("replaced-")]
     assert "resuming" not in said and f"is now in {moved}" in said, said
     assert _snapshot(moved) == before  # nothing deleted: the old run whole, pictures included, beside the new one
     with open(os.path.join(previous_run, "metrics.jsonl")) as f:
@@ -142,15 +141,14 @@ def test_overwrite_moves_a_previous_run_aside_and_resume_auto_does_not_replace_i
 
 
 def test_a_torn_metrics_line_is_dropped_on_resume(tmp_path):
+    from types import SimpleNamespace
     path = str(tmp_path / "metrics.jsonl")
     with open(path, "w") as f:
         f.write('{"epoch": 0, "miou": 0.5}\n{"epoch": 1, "miou": 0.6}\n{"epoch": 2, "mi')  # killed mid-line
-    kept, dropped = checkpoints._split_metrics(path, 2)
-    assert dropped == []
-    with open(path, "w") as f:
-        f.write("".join(kept))
+    checkpoints.continue_run_at(SimpleNamespace(output_dir=str(tmp_path)), SimpleNamespace(path=None),
+                                SimpleNamespace(epoch=2, step=0))
     with open(path) as f:
-        assert f.read() == '{"epoch": 0, "miou": 0.5}\n{"epoch": 1, "miou": 0.6}\n'
+        assert f.read() == '{"epoch": 0, "miou": 0.5}\n{"epoch": 1, "miou": 0.6}\n'  # the next line starts whole
 
 
 def test_checkpoints_that_cannot_resume_training(tiny_data, trained, tmp_path, capsys):
@@ -311,7 +309,7 @@ def test_reads_are_checked_before_anything_is_moved_or_written(tiny_data, traine
         line = _main_fails(argv, capsys)
         assert expect in line, (extra, line)
         assert _snapshot(previous_run) == before  # --overwrite moved nothing: a read failed first
-    assert not [name for name in os.listdir(tmp_path) if ".replaced-" in name]
+    assert not [name for name in os.listdir(previous_run) if name.startswith("replaced-")]
 
 
 def test_missing_folders_are_made_and_a_place_that_cannot_be_is_named(tiny_data, tmp_path, capsys):
@@ -561,3 +559,33 @@ def test_any_size_and_any_scale_the_flags_accept(trained, tiny_data, tmp_path, c
                                                  "-e", "--resume", os.path.join(trained, "best.pth"),
                                                  "--eval-scales", "0.01", "--eval-crop", "8"]))
     assert "mIoU" in capsys.readouterr().out
+
+
+def test_a_rewind_s_start_becomes_the_run_s_checkpoint_so_a_restart_continues_it(tmp_path):
+    from types import SimpleNamespace
+    out = tmp_path / "out"
+    out.mkdir()
+    for name, text in (("checkpoint.pth", "epoch 6"), ("checkpoint.prev.pth", "epoch 5"), ("best.pth", "epoch 3")):
+        (out / name).write_text(text)
+    (out / "metrics.jsonl").write_text("".join(f'{{"epoch": {e}}}\n' for e in range(6)))
+    checkpoints.continue_run_at(SimpleNamespace(output_dir=str(out)), SimpleNamespace(path=str(out / "best.pth")),
+                                SimpleNamespace(epoch=3, step=0))
+    assert (out / "checkpoint.pth").read_text() == "epoch 3" and not (out / "checkpoint.prev.pth").exists()
+    kept = {path.name.split(".rewound-")[0]: path.read_text() for path in out.iterdir() if ".rewound-" in path.name}
+    assert kept == {"checkpoint": "epoch 6", "checkpoint.prev": "epoch 5", "metrics": '{"epoch": 3}\n{"epoch": 4}\n'
+                    '{"epoch": 5}\n'}  # best.pth is the start: nothing to keep
+    assert (out / "metrics.jsonl").read_text() == '{"epoch": 0}\n{"epoch": 1}\n{"epoch": 2}\n'
+
+
+def test_a_torchrun_restart_keeps_what_the_first_attempt_started_from(tiny_data, trained, tmp_path, monkeypatch,
+                                                                       capsys):
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    best, common = os.path.join(trained, "best.pth"), ["--data", tiny_data, *TRAIN_ARGS]
+    main.main(main.get_args_parser().parse_args(common + ["--output-dir", str(tmp_path / "e"), "-e", "--resume",
+                                                          best]))
+    with open(tmp_path / "e" / "eval.json") as f:
+        assert json.load(f)["checkpoint"] == best  # -e evaluates what it was given, restarted or not
+    out = str(tmp_path / "new")  # the first attempt died before its first checkpoint
+    main.main(main.get_args_parser().parse_args(common + ["--output-dir", out, "--resume", best, "--epochs", "2"]))
+    said = capsys.readouterr().out
+    assert f"resuming from {best} at epoch 1" in said and "starting afresh" not in said, said

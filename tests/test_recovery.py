@@ -131,14 +131,14 @@ def test_second_signal_exits_at_once(data24, tmp_path):
     assert not os.path.exists(os.path.join(tmp_path, "checkpoint.pth"))
 
 
-def test_resume_with_another_number_of_processes(data24, straight, tmp_path, capsys):
+def test_resume_with_another_number_of_processes(data24, straight, tmp_path, capfd):
     out = str(tmp_path / "out")  # epoch 0 done by 2 processes: 6 steps an epoch
     os.makedirs(out)
     shutil.copy(os.path.join(straight, "checkpoint.prev.pth"), os.path.join(out, "checkpoint.pth"))
     import main  # in this process: 1 process, 12 steps an epoch
     main.main(main.get_args_parser().parse_args(["--data", data24, "--output-dir", out, "--epochs", "2", "--resume",
                                                  "auto", *SLOW_ARGS]))
-    log = capsys.readouterr().out
+    log = capfd.readouterr().out
     assert "trained with 2 process(es)" in log and "not bitwise" in log
     records = _metrics(out)
     assert [r["epoch"] for r in records] == [1] and records[0]["world_size"] == 1
@@ -179,7 +179,7 @@ def test_a_hung_peer_ends_the_job_naming_the_rank(data24, tmp_path):
         processes[1].communicate()
 
 
-def test_bad_checkpoints_get_one_clear_line_and_auto_falls_back(data24, straight, tmp_path, capsys):
+def test_bad_checkpoints_get_one_clear_line_and_auto_falls_back(data24, straight, tmp_path, capfd):
     tiny_data, out = data24, str(tmp_path / "out")
     shutil.copytree(straight, out)
     path = os.path.join(out, "checkpoint.pth")
@@ -189,31 +189,31 @@ def test_bad_checkpoints_get_one_clear_line_and_auto_falls_back(data24, straight
     with open(path, "r+b") as f:
         f.truncate(os.path.getsize(path) // 2)
     common = ["--data", tiny_data, "--output-dir", out, *TRAIN_ARGS]
-    result = _fails_in_process(common + ["-e", "--resume", path], capsys)
+    result = _fails_in_process(common + ["-e", "--resume", path], capfd)
     assert path in result and "truncated" in result
     import main
     main.main(main.get_args_parser().parse_args(common + ["--epochs", "2", "--resume", "auto"]))
-    log = capsys.readouterr().out
+    log = capfd.readouterr().out
     assert f"{path} cannot be read" in log and "checkpoint.prev.pth at epoch 1" in log
 
     result = _fails_in_process(common + ["-e", "--resume", str(tmp_path / "good.pth"), "--model",
-                                         "deeplabv3_mobilenet_v3_large"], capsys)
+                                         "deeplabv3_mobilenet_v3_large"], capfd)
     assert "holds a deeplabv3plus_mobilenet_v3_large model" in result and "--model" in result
     checkpoint = torch.load(tmp_path / "good.pth", weights_only=True)  # as if trained on 21 classes
     checkpoint["model"]["classifier.weight"] = torch.zeros(21, 256, 1, 1)
     checkpoint["args"].pop("model")
     torch.save(checkpoint, tmp_path / "other.pth")
-    result = _fails_in_process(common + ["-e", "--resume", str(tmp_path / "other.pth")], capsys)
+    result = _fails_in_process(common + ["-e", "--resume", str(tmp_path / "other.pth")], capfd)
     assert "does not fit" in result and "classifier.weight (21, 256, 1, 1) vs (19, 256, 1, 1)" in result
 
 
-def test_a_diverging_loss_stops_and_keeps_the_last_good_checkpoint(tiny_data, trained, tmp_path, capsys):
+def test_a_diverging_loss_stops_and_keeps_the_last_good_checkpoint(tiny_data, trained, tmp_path, capfd):
     out = str(tmp_path / "out")
     shutil.copytree(trained, out)  # one good epoch
     with open(os.path.join(out, "checkpoint.pth"), "rb") as f:
         good = f.read()
     result = _fails_in_process(["--data", tiny_data, "--output-dir", out, "--epochs", "3", "--resume", "auto",
-                                *TRAIN_ARGS, "--lr", "1e38"], capsys)
+                                *TRAIN_ARGS, "--lr", "1e38"], capfd)
     assert "NaN or infinite" in result and "checkpoint.pth is the last good one" in result
     with open(os.path.join(out, "checkpoint.pth"), "rb") as f:
         assert f.read() == good
@@ -244,15 +244,17 @@ def _some(root, split, kind):
     return os.path.join(folder, city, name)
 
 
-def _fails_in_process(argv, capsys):
-    """main.main() on argv must end with SystemExit(1) and one 'error:' line; return that line."""
+def _fails_in_process(argv, capfd):
+    """main.main() on argv must end with SystemExit(1), one 'main.py: error:' line and no traceback in all that
+    this process and its DataLoader workers wrote (capfd: file descriptors 1 and 2); -> that line."""
     import main
     with pytest.raises(SystemExit) as exit_info:
         main.main(main.get_args_parser().parse_args(argv))
     assert exit_info.value.code == 1
-    captured = capsys.readouterr()
-    errors = [line for line in (captured.out + captured.err).splitlines() if "error:" in line]
-    assert len(errors) == 1, captured
+    captured = capfd.readouterr()
+    output = captured.out + captured.err
+    errors = [line for line in output.splitlines() if "error:" in line]
+    assert len(errors) == 1 and errors[0].startswith("main.py: error: ") and "Traceback" not in output, output
     return errors[0]
 
 
@@ -260,7 +262,7 @@ def _fails_in_process(argv, capsys):
                                   "undecodable header", "label size", "more ranks than val images",
                                   "batch larger than a share", "sync-bn on cpu", "fp16 on cpu", "bad crop",
                                   "evaluate without resume", "missing resume"])
-def test_bad_input_found_before_training_with_one_clear_line(case, tiny_data, tmp_path, capsys, monkeypatch):
+def test_bad_input_found_before_training_with_one_clear_line(case, tiny_data, tmp_path, capfd, monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the CPU's rules, also on a GPU machine
     data = _copy_data(tiny_data, tmp_path)
@@ -303,14 +305,14 @@ def test_bad_input_found_before_training_with_one_clear_line(case, tiny_data, tm
     os.makedirs(out)
     with open(os.path.join(out, "checkpoint.pth"), "wb") as f:
         f.write(b"a good checkpoint")
-    line = _fails_in_process(["--data", data, "--output-dir", out, *TRAIN_ARGS, "--overwrite", *args], capsys)
+    line = _fails_in_process(["--data", data, "--output-dir", out, *TRAIN_ARGS, "--overwrite", *args], capfd)
     assert expect in line, line
     with open(os.path.join(out, "checkpoint.pth"), "rb") as f:
         assert f.read() == b"a good checkpoint"  # untouched
 
 
 @pytest.mark.parametrize("case", ["truncated image", "label values"])
-def test_bad_file_found_when_read_names_it(case, tiny_data, tmp_path, capsys):
+def test_bad_file_found_when_read_names_it(case, tiny_data, tmp_path, capfd):
     data = _copy_data(tiny_data, tmp_path)
     if case == "truncated image":
         path = _some(data, "train", "image")
@@ -322,8 +324,8 @@ def test_bad_file_found_when_read_names_it(case, tiny_data, tmp_path, capsys):
         Image.new("L", (64, 32), 200).save(path)
     # -j 1: the error comes from a DataLoader worker, which wraps it in a traceback of its own.
     line = _fails_in_process(["--data", data, "--output-dir", str(tmp_path / "out"), "--epochs", "1", *TRAIN_ARGS,
-                              "-j", "1"], capsys)
-    assert path in line and "Traceback" not in line, line
+                              "-j", "1"], capfd)
+    assert path in line, line
 
 
 def test_run_sh_stops_a_mistake_before_torchrun_with_one_line(tiny_data, tmp_path):
@@ -449,7 +451,7 @@ ARGS_2026_11 = {
 
 
 def test_a_checkpoint_in_the_earlier_layout_still_resumes_evaluates_and_predicts(trained, tiny_data, tmp_path,
-                                                                               capsys):
+                                                                               capfd):
     import main
     import predict
     state = torch.load(os.path.join(trained, "checkpoint.pth"), weights_only=True)
@@ -459,7 +461,7 @@ def test_a_checkpoint_in_the_earlier_layout_still_resumes_evaluates_and_predicts
     torch.save(old, os.path.join(out, "checkpoint.pth"))
     main.main(main.get_args_parser().parse_args(["--data", tiny_data, "--output-dir", out, *TRAIN_ARGS, "--epochs",
                                                  "2", "--resume", "auto"]))
-    assert "resuming from" in capsys.readouterr().out and _checkpoint(out)["epoch"] == 2
+    assert "resuming from" in capfd.readouterr().out and _checkpoint(out)["epoch"] == 2
     torch.save(old, os.path.join(out, "old.pth"))
     main.main(main.get_args_parser().parse_args(["--data", tiny_data, "--output-dir", out, *TRAIN_ARGS, "-e",
                                                  "--resume", os.path.join(out, "old.pth")]))
@@ -469,3 +471,24 @@ def test_a_checkpoint_in_the_earlier_layout_still_resumes_evaluates_and_predicts
                                                        os.path.join(out, "old.pth"), "-j", "0", "--what", "label",
                                                        "--output-dir", str(tmp_path / "p")]))
     assert len(os.listdir(tmp_path / "p" / "trainIds")) == 3  # 5 images in 3 city folders
+
+
+def test_the_stop_vote_is_read_one_step_late_and_never_lets_a_nan_be_saved():
+    cpu, fine, nan = torch.device("cpu"), torch.tensor(0.5), torch.tensor(float("nan"))
+    try:
+        vote = recovery.StopVote(cpu)
+        assert [vote.cast(fine), vote.cast(fine)] == [None, None]
+        recovery._state.signal = signal.SIGTERM  # arrives during the third step
+        assert vote.cast(fine) is None  # the second step's vote: nothing then
+        assert vote.cast(fine) == "signal"  # the third's, read at the fourth: every rank stops there, saving it
+        vote = recovery.StopVote(cpu)
+        vote.cast(fine)
+        assert vote.cast(nan) == "nonfinite"  # ... but the step the stop is read at is voted on too: a NaN is not saved
+        vote = recovery.StopVote(cpu)
+        vote.cast(fine)
+        assert vote.cast(fine) == "signal" and vote.cast(nan) is None  # (the stop was read before this step)
+        recovery._state.signal = None
+        vote = recovery.StopVote(cpu)
+        assert vote.cast(fine) is None and vote.cast(nan) is None and vote.result() == "nonfinite"  # the last step
+    finally:
+        recovery._state.signal = None
