@@ -35,16 +35,6 @@ from models import build_model
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def _rate(fn, seconds):
-    """Calls per second of fn, run for about `seconds` after one warm-up call."""
-    fn()
-    count, start = 0, time.perf_counter()
-    while time.perf_counter() - start < seconds:
-        fn()
-        count += 1
-    return count / (time.perf_counter() - start)
-
-
 def today_getitem(data, index):
     """Cityscapes.__getitem__ as it was before the uint8 pipeline, kept as the baseline: PIL decodes and
     converts, the whole frame is a tensor before the crop, the worker normalises to float32."""

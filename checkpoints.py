@@ -179,7 +179,8 @@ def _find_in_run(output_dir, evaluate, say_none=True):
         fail(f"--resume auto: {'; '.join(problems)}. Nothing usable to resume from, and these files are kept: "
              "move them aside to start afresh, or give --resume a good checkpoint")
     if evaluate:
-        fail(f"-e --resume auto: no checkpoint in {output_dir} to evaluate; give --resume PATH")
+        fail(f"-e: no checkpoint in {paths.named('--output-dir')} {output_dir} to evaluate: train there first, "
+             f"or give {'./run.sh -e' if paths.named('--output-dir') == 'OUTPUT_DIR' else '-e'} --resume PATH")
     if say_none:
         log(f"no checkpoint in {output_dir}: starting afresh")
     return None, None

@@ -530,12 +530,16 @@ def open_datasets(args, crop_size, world_size):
             log(f"warning: {len(mostly_ignored)} of {len(train_set)} training masks are more than half "
                 f"ignore_index {train_set.ignore_value} (e.g. {mostly_ignored[0]}), which the loss skips: if that "
                 "value marks a class (masks saved as 0 and 255), save them with its class index instead")
+    under_run_sh = os.environ.get("DEEPLAB_RUN_SH") == "1"
     if world_size > len(val_set):
-        fail(f"{world_size} processes but only {len(val_set)} val images: use at most {len(val_set)} processes")
+        fewer = f"NPROC={len(val_set)} ./run.sh" if under_run_sh else f"at most {len(val_set)} processes"
+        fail(f"{world_size} processes but only {len(val_set)} val images: use {fewer}")
     share = math.ceil(len(train_set) / world_size)  # DistributedSampler's, padded
     if not args.evaluate and share < args.batch_size:
+        # run.sh chooses -b itself (16 / processes): the user sets it after ./run.sh.
+        smaller = f"./run.sh -b {share}" if under_run_sh else f"--batch-size {share}"
         fail(f"--batch-size {args.batch_size} is more than a process's share of the {len(train_set)} training "
-             f"images ({share} with {world_size} processes): use a smaller batch or fewer processes")
+             f"images ({share} with {world_size} process(es)): give {smaller} or less")
     return train_set, val_set
 
 

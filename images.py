@@ -34,7 +34,9 @@ def _header(path, size=26):
 
 
 def _why(path, error):
-    return BadInput(f"{path} cannot be decoded ({first_line(error)}); replace it, or remove the image and its label")
+    bad = BadInput(f"{path} cannot be decoded ({first_line(error)}); replace it, or remove the image and its label")
+    bad.cause = first_line(error)  # for predict.py, which names the file its own way (no label to remove there)
+    return bad
 
 
 def read_image(path):

@@ -62,6 +62,10 @@ def _load_backbone_weights(net, backbone, pretrained):
         except Exception as error:
             raise RuntimeError(f"--pretrained-backbone {pretrained} cannot be read ({type(error).__name__}): "
                                "an empty, truncated or non-PyTorch file; download it again") from None
+        model = state.get("model", state) if isinstance(state, dict) else None  # this program's checkpoint?
+        if isinstance(model, dict) and any(k.startswith(("backbone.", "module.backbone.")) for k in model):
+            raise RuntimeError(f"--pretrained-backbone {pretrained} holds a whole DeepLab model, not {backbone}'s "
+                               f"classification weights: fine-tune from it with --weights {pretrained}")
         state = state.get("state_dict", state) if isinstance(state, dict) else state
         if not isinstance(state, dict) or not state or not all(isinstance(v, torch.Tensor) for v in state.values()):
             raise RuntimeError(f"--pretrained-backbone {pretrained} holds no state dict of weights: give the "

@@ -157,14 +157,18 @@ def write_folder(path, write):
         raise
 
 
-_overwriting = []  # set by check_no_run_replaced: this command has --overwrite
+_typed = {}  # set by check_no_run_replaced: what the command has that carrying on must not repeat
 
 
 def resume_advice():
-    """How to carry on a stopped run, as the user started it (without --overwrite: it would put it aside)."""
+    """How to carry on a stopped run, as the user started it: without --overwrite (it would put the run aside)
+    and without a --resume PATH (it would start from that file again, not from where the run stopped)."""
+    resume, overwrite = _typed.get("resume"), _typed.get("overwrite")
     if os.environ.get("DEEPLAB_RUN_SH") == "1":
-        return "run the same ./run.sh line again" + (" without --overwrite" if _overwriting else "")
-    return "run the same command with --resume auto" + (" and without --overwrite" if _overwriting else "")
+        drop = " and ".join(flag for flag in (resume, overwrite) if flag)
+        return "run the same ./run.sh line again" + (f" without {drop}" if drop else "")
+    return ("run the same command with --resume auto" + (f" in place of {resume}" if resume else "")
+            + (" and without --overwrite" if overwrite else ""))
 
 
 # --- main.py's folders ----------------------------------------------------------------------------------------
@@ -174,18 +178,25 @@ RUN_FILES = ("checkpoint.pth", "checkpoint.prev.pth", "best.pth", "metrics.jsonl
 
 def check_run_folders(args):
     """main.py's folders (--output-dir, --save-predictions, --cache-dir), checked before anything is read or
-    written: none is a file, none is or is inside the data set, each can be made. (Rank 0 makes them later,
-    after every other check: make_run_outputs.)"""
+    written: none is a file, none is or is inside the data set, each can be made; and the data set is not in a
+    place the run writes or --overwrite moves (its vis/, say). (Rank 0 makes them later, after every other
+    check: make_run_outputs.)"""
     for flag in ("--output-dir", "--save-predictions", "--cache-dir"):
         path = getattr(args, flag[2:].replace("-", "_"))
         if path is not None:
             check_folder(flag, path, reads=[("--data", args.data)])
+    for name in RUN_FILES:
+        if inside(args.data, os.path.join(args.output_dir, name)):
+            fail(f"{named('--data')} {args.data} is inside {os.path.join(args.output_dir, name)}, where the run "
+                 f"writes: move the data set out of it, or choose another {named('--output-dir')}")
 
 
 def check_no_run_replaced(args, start):
     """No other run in --output-dir is replaced without a word, and no file the run reads (--weights) is one that
     --overwrite moves aside. start: checkpoints.decide_start's (whether this run continues one there)."""
-    _overwriting[:] = [True] if args.overwrite else []
+    _typed.clear()
+    _typed.update(overwrite="--overwrite" if args.overwrite else None,
+                  resume=f"--resume {args.resume}" if args.resume not in ("", "auto") else None)
     found = [name for name in RUN_FILES[:5] if os.path.exists(os.path.join(args.output_dir, name))]
     if (replacing(args, start) and args.weights and start.checkpoint is None
             and any(inside(args.weights, os.path.join(args.output_dir, name)) for name in RUN_FILES)):

@@ -147,7 +147,7 @@ class ImageFiles(Dataset):
             # uint8 (3, H, W), decoded as training decodes its files (images.py): as a viewer shows the file
             return index, torch.from_numpy(read_image(self.paths[index]).copy()).permute(2, 0, 1), ""
         except Exception as error:  # the main loop names the file and goes on with the others
-            return index, None, paths.first_line(error)
+            return index, None, getattr(error, "cause", None) or paths.first_line(error)
 
 
 def output_paths(output_dir, name, what, label_folder):
@@ -316,7 +316,8 @@ def main(args):
     recovery.log(f"wrote {written} predictions to {args.output_dir} in {timedelta(seconds=round(elapsed))} "
                  f"({written / elapsed:.2f} images/s)")
     if unreadable:
-        fail(f"{unreadable} of {written + unreadable} images could not be read (named above); the others were written")
+        fail(f"{unreadable} of {written + unreadable} images could not be read (named above)"
+             + ("; the others were written" if written else ": is each an image (PNG, JPEG, ...)?"))
 
 
 if __name__ == "__main__":

@@ -118,7 +118,7 @@ def write_epoch(args, state, is_best, sample, record, writer=None, estimate=Fals
         f"mIoU {miou} (best {state['best_miou']:.4f}); saved {checkpoint_path}")
     if record["data_wait_fraction"] > 0.05:
         log(f"note: the training loop waited {record['data_wait_fraction']:.0%} of its time for data: raise -j if "
-            "the machine has the cores, or decode once with --cache-dir")
+            "the machine has the cores" + ("" if args.cache_dir else ", or decode once with --cache-dir"))
     left = args.epochs - record["epoch"] - 1
     if estimate and left:  # after the first epoch, so that nobody wonders whether it hangs
         log(f"the other {left} epoch(s) will take about {timedelta(seconds=round(record['epoch_time_s'] * left))}")

@@ -225,7 +225,15 @@ def _on_signal(signum, frame):
 
 
 def stop_signal():
-    """The signal that asked this process to stop, or None."""
+    """The signal that asked this process to stop, or None. run.sh also writes the first signal's name into the
+    file DEEPLAB_STOP_FILE names: a worker that was still starting then (the signal killed it before it had
+    handlers, and torchrun started it again) or not yet started learns it there."""
+    stop_file = os.environ.get("DEEPLAB_STOP_FILE")
+    if _state.signal is None and stop_file and os.path.exists(stop_file):
+        with open(stop_file) as f:
+            name = f.read().strip()
+        _state.signal = int(getattr(signal, f"SIG{name}", signal.SIGTERM))
+        _state.signal_time = time.time()
     return _state.signal
 
 
@@ -320,7 +328,7 @@ voted on as well, once, so that a NaN there is not saved either); a NaN step is 
     def cast(self, loss):
         """This step's vote. -> the previous step's decision: None, "signal" or "nonfinite"."""
         votes = torch.stack([(~torch.isfinite(loss.detach())).float(),
-                             torch.full((), float(_state.signal is not None), device=self.device)])
+                             torch.full((), float(stop_signal() is not None), device=self.device)])
         if dist.is_initialized():
             dist.all_reduce(votes, op=dist.ReduceOp.MAX)  # NCCL: queued on its stream, the CPU goes on
         votes = votes.to("cpu", non_blocking=True)  # from the GPU: into pinned memory, when the step is done

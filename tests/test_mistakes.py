@@ -282,6 +282,40 @@ def test_under_run_sh_the_advice_names_its_variables(tiny_data, previous_run, mo
     line = _main_fails(["--data", tiny_data, "--output-dir", previous_run, *TRAIN_ARGS, "--resume", "auto"], capsys)
     assert f"OUTPUT_DIR {previous_run} holds another run" in line and "choose another OUTPUT_DIR" in line, line
     assert "./run.sh --overwrite" in line and "--output-dir" not in line and "--resume auto" not in line, line
+    empty = os.path.join(previous_run, "empty")
+    line = _main_fails(["--data", tiny_data, "--output-dir", empty, *TRAIN_ARGS, "-b", "9"], capsys)
+    assert "give ./run.sh -b 8 or less" in line, line  # run.sh chose -b itself: the user gives it after ./run.sh
+    line = _main_fails(["--data", tiny_data, "--output-dir", empty, *TRAIN_ARGS, "-e", "--resume", "auto"], capsys)
+    assert f"OUTPUT_DIR {empty} to evaluate: train there first, or give ./run.sh -e --resume PATH" in line, line
+
+
+def test_the_data_set_is_never_where_the_run_writes(tiny_data, previous_run, capsys):
+    data = os.path.join(previous_run, "vis", "data")  # a place the run writes into, and --overwrite moves aside
+    shutil.copytree(tiny_data, data)
+    before = _snapshot(previous_run)
+    for extra in ([], ["--overwrite"], ["--check-only", "1"]):
+        line = _main_fails(["--data", data, "--output-dir", previous_run, *TRAIN_ARGS, *extra], capsys)
+        assert f"--data {data} is inside {os.path.join(previous_run, 'vis')}, where the run writes" in line, line
+        assert _snapshot(previous_run) == before
+
+
+def test_the_advice_after_a_stop_continues_the_run_instead_of_starting_over(tiny_data, trained, tmp_path,
+                                                                              monkeypatch, capsys):
+    out = str(tmp_path / "out")
+    shutil.copytree(trained, out)
+    stop = tmp_path / "stop"
+    stop.write_text("TERM")  # run.sh writes the first signal here: a worker still starting then learns it
+    monkeypatch.setenv("DEEPLAB_STOP_FILE", str(stop))
+    common = ["--data", tiny_data, "--output-dir", out, *TRAIN_ARGS, "--epochs", "2"]
+    best = os.path.join(out, "best.pth")
+    main.main(main.get_args_parser().parse_args(common + ["--resume", best]))
+    said = capsys.readouterr().out
+    assert "stopped by signal 15 at epoch 1 step 2/4" in said, said
+    assert f"run the same command with --resume auto in place of --resume {best}" in said, said
+    monkeypatch.delenv("DEEPLAB_STOP_FILE")
+    main.main(main.get_args_parser().parse_args(common + ["--resume", "auto"]))  # the advice, followed
+    said = capsys.readouterr().out
+    assert f"resuming from {os.path.join(out, 'checkpoint.pth')} at epoch 1 step 2" in said, said
 
 
 @pytest.mark.parametrize("where, flag", [("data", "--output-dir"), ("data/leftImg8bit", "--output-dir"),
@@ -363,6 +397,9 @@ def test_a_folder_or_a_ddp_state_dict_or_backbone_weights_given_as_a_checkpoint(
                backbone)
     line = _main_fails(common[:3] + [str(tmp_path / "new")] + common[4:] + ["--weights", backbone], capsys)
     assert "holds the weights of a classification network" in line and f"--pretrained-backbone {backbone}" in line
+    for given in (os.path.join(trained, "best.pth"), wrapped):  # a whole DeepLab model, where a backbone is meant
+        line = _main_fails(common[:3] + [str(tmp_path / "new")] + common[4:] + ["--pretrained-backbone", given], capsys)
+        assert "holds a whole DeepLab model" in line and f"fine-tune from it with --weights {given}" in line, line
 
 
 def test_torch_s_own_error_text_is_whole(tiny_data, tmp_path, capsys):

@@ -79,6 +79,7 @@ def test_any_image_predicted_at_its_size_and_a_broken_one_named(checkpoint, tmp_
     errors = result.stderr.splitlines()
     assert [line for line in errors if "broken.png" in line] == [
         line for line in errors if line.startswith(f"predict.py: {os.path.join(inputs, 'broken.png')} cannot be read")]
+    assert "its label" not in result.stderr  # training's advice has no place here
     assert errors[-1] == ("predict.py: error: 1 of 9 images could not be read (named above); "
                           "the others were written"), result.stderr
     colors = {tuple(c) for c in CLASS_COLORS}
