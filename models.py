@@ -62,10 +62,13 @@ def _load_backbone_weights(net, backbone, pretrained):
         except Exception as error:
             raise RuntimeError(f"--pretrained-backbone {pretrained} cannot be read ({type(error).__name__}): "
                                "an empty, truncated or non-PyTorch file; download it again") from None
-        model = state.get("model", state) if isinstance(state, dict) else None  # this program's checkpoint?
-        if isinstance(model, dict) and any(k.startswith(("backbone.", "module.backbone.")) for k in model):
+        if isinstance(state, dict) and "model" in state and "classes" in state:  # this program's checkpoint
             raise RuntimeError(f"--pretrained-backbone {pretrained} holds a whole DeepLab model, not {backbone}'s "
                                f"classification weights: fine-tune from it with --weights {pretrained}")
+        if isinstance(state, dict) and any(str(k).startswith(("backbone.", "module.backbone.")) for k in state):
+            raise RuntimeError(f"--pretrained-backbone {pretrained} holds a segmentation model's weights (backbone.* "
+                               f"keys), not {backbone}'s classification weights: give those, or none; a DeepLab "
+                               "of this program goes to --weights")
         state = state.get("state_dict", state) if isinstance(state, dict) else state
         if not isinstance(state, dict) or not state or not all(isinstance(v, torch.Tensor) for v in state.values()):
             raise RuntimeError(f"--pretrained-backbone {pretrained} holds no state dict of weights: give the "

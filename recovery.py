@@ -230,8 +230,11 @@ def stop_signal():
     handlers, and torchrun started it again) or not yet started learns it there."""
     stop_file = os.environ.get("DEEPLAB_STOP_FILE")
     if _state.signal is None and stop_file and os.path.exists(stop_file):
-        with open(stop_file) as f:
-            name = f.read().strip()
+        try:
+            with open(stop_file) as f:
+                name = f.read().strip()
+        except OSError:
+            name = "TERM"  # gone again (run.sh ended) or unreadable: it was there, a stop was asked for
         _state.signal = int(getattr(signal, f"SIG{name}", signal.SIGTERM))
         _state.signal_time = time.time()
     return _state.signal

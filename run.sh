@@ -104,9 +104,10 @@ echo "run.sh: $NPROC process(es) on this node, $NNODES node(s), data $DATA, outp
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
 # A signal that comes while a worker is still starting (importing torch, before its handlers) kills it, and
 # torchrun would start it again to train on: the first signal is also written here, where workers look.
-export DEEPLAB_STOP_FILE="${TMPDIR:-/tmp}/deeplab-stop-$$"
-rm -f "$DEEPLAB_STOP_FILE"
-trap 'rm -f "$DEEPLAB_STOP_FILE"' EXIT
+STOP_DIR=$(mktemp -d "${TMPDIR:-/tmp}/deeplab-stop.XXXXXX") \
+  || fail "TMPDIR=${TMPDIR:-/tmp} cannot be written: set TMPDIR to a folder of this machine that can"
+export DEEPLAB_STOP_FILE="$STOP_DIR/signal"
+trap 'rm -rf "$STOP_DIR"' EXIT
 setsid "$PYTHON" -m torch.distributed.run "${LAUNCH[@]}" --nproc_per_node "$NPROC" \
   --max-restarts "$MAX_RESTARTS" "${MAIN[@]}" &
 LAUNCHER=$!
@@ -115,7 +116,7 @@ forward() {
   SIGNALS=$(( SIGNALS + 1 ))
   if [ "$SIGNALS" -eq 1 ]; then
     echo "run.sh: got SIG$1: the workers save a checkpoint at the end of this step and stop (again to stop at once)"
-    echo "$1" > "$DEEPLAB_STOP_FILE"
+    { echo "$1" > "$DEEPLAB_STOP_FILE"; } 2>/dev/null || true   # (the workers that run get the signal itself)
     pkill "-$1" -P "$LAUNCHER" || true   # torchrun's children: the workers
   else
     kill -TERM "$LAUNCHER" 2>/dev/null || true
