@@ -532,9 +532,8 @@ def open_datasets(args, crop_size, world_size):
                 "value marks a class (masks saved as 0 and 255), save them with its class index instead")
     under_run_sh = os.environ.get("DEEPLAB_RUN_SH") == "1"
     if world_size > len(val_set):
-        fewer = "in all (NPROC x NNODES)" if under_run_sh else ""
-        fail(f"{world_size} processes but only {len(val_set)} val images: use at most {len(val_set)} processes {fewer}"
-             .rstrip())
+        in_all = " in all (NPROC x NNODES)" if under_run_sh else ""
+        fail(f"{world_size} processes but only {len(val_set)} val images: use at most {len(val_set)} processes{in_all}")
     share = math.ceil(len(train_set) / world_size)  # DistributedSampler's, padded
     if not args.evaluate and share < args.batch_size:
         # run.sh chooses -b itself (16 / processes): the user sets it after ./run.sh.

@@ -102,17 +102,22 @@ def check_file(flag, path, reads=(), replaceable=None):
     make_folder(flag, os.path.dirname(os.path.abspath(path)))
 
 
+def _unused(folder, name_for, what):
+    """The first name_for(suffix) not taken in folder, the suffix "", then "-1", "-2", ..."""
+    for attempt in range(1000):
+        candidate = os.path.join(folder, name_for(f"-{attempt}" if attempt else ""))
+        if not os.path.exists(candidate):
+            return candidate
+    fail(f"no free name in {folder} to keep {what} under: move the old ones away")
+
+
 def beside(path, label):
     """A name beside path that says what happened to it and when, not yet taken: checkpoint.pth ->
     checkpoint.rewound-20261130-230405.pth; data -> data.partial-20261130-230405."""
     folder, name = os.path.split(os.path.abspath(path.rstrip(os.sep)))
     stem, extension = (name, "") if os.path.isdir(path) else os.path.splitext(name)
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    for attempt in range(1000):
-        candidate = os.path.join(folder, f"{stem}.{label}-{stamp}{f'-{attempt}' if attempt else ''}{extension}")
-        if not os.path.exists(candidate):
-            return candidate
-    fail(f"no free name beside {path} to keep it under: move the old {label} files away")
+    return _unused(folder, lambda suffix: f"{stem}.{label}-{stamp}{suffix}{extension}", name)
 
 
 def move_aside(folder, names, label):
@@ -123,8 +128,7 @@ def move_aside(folder, names, label):
     if not present:
         return None
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    target = next(os.path.join(folder, f"{label}-{stamp}{f'-{n}' if n else ''}") for n in range(1000)
-                  if not os.path.exists(os.path.join(folder, f"{label}-{stamp}{f'-{n}' if n else ''}")))
+    target = _unused(folder, lambda suffix: f"{label}-{stamp}{suffix}", "the old run")
     try:
         os.makedirs(target)
         for name in present:

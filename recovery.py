@@ -322,7 +322,7 @@ class StopVote:
     at once would make the CPU wait for its whole step to finish before queueing the next: the GPU would idle
     while the next batch is copied and its kernels launched. So every rank stops at the same step, one step
     after the cause: a signal stops them within two steps, with a checkpoint (the step the stop is read at is
-voted on as well, once, so that a NaN there is not saved either); a NaN step is never saved. On
+    voted on as well, once, so that a NaN there is not saved either); a NaN step is never saved. On
     the CPU (gloo) the all_reduce is done when it returns, and the delay changes nothing."""
 
     def __init__(self, device):
