@@ -5,7 +5,8 @@
     bash tests/gpu_check.sh --plan            # the commands it would run, without running them
 
 Each step writes its result into DIR/gpu_check.json as it ends (a step that fails records false and why, and
-the next one runs), and says it in one line:
+the next one runs), and says it in one line. The rates run one at a time, alone; the checks after them time
+nothing and run as two chains side by side (fp16 resume, then its ONNX export; preemption, then NaN, then predict):
 
     device            the GPU, torch, CUDA
     model_only_img_s  bench.py's bare training step at the recipe's sizes (ResNet-101 DeepLabV3+, crop 768,
@@ -29,6 +30,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -53,12 +55,14 @@ class Check:
 
     def __init__(self, out):
         self.out, self.path, self.results, self.failed = out, os.path.join(out, "gpu_check.json"), {}, []
+        self.lock = threading.Lock()  # two chains of steps record side by side
 
     def record(self, **results):
-        self.results.update(results)
-        with open(self.path + ".tmp", "w") as f:
-            json.dump(self.results, f, indent=1)
-        os.replace(self.path + ".tmp", self.path)
+        with self.lock:
+            self.results.update(results)
+            with open(self.path + ".tmp", "w") as f:
+                json.dump(self.results, f, indent=1)
+            os.replace(self.path + ".tmp", self.path)
 
     def step(self, name, function):
         """Run one step; its line on screen; on failure record name: false and why, and go on."""
@@ -68,10 +72,29 @@ class Check:
             self.record(**{f"{name}_s": round(time.time() - start, 1)})
             print(f"gpu_check: {name}: {said} ({time.time() - start:.0f} s)", flush=True)
         except Exception as error:  # a failed step is a finding: record it, run the others
-            self.failed.append(name)
+            with self.lock:
+                self.failed.append(name)
             why = str(error).strip().splitlines()[-1] if str(error).strip() else type(error).__name__
             self.record(**{f"{name}_ok": False, f"{name}_error": str(error)[-2000:]})
             print(f"gpu_check: {name}: FAILED ({why[:300]})", flush=True)
+
+    def side_by_side(self, *chains):
+        """Run chains of steps at once, each chain's steps in order: [(name, function)] each."""
+        threads = [threading.Thread(target=lambda chain=chain: [self.step(*step) for step in chain])
+                   for chain in chains]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+
+
+LOG_LOCK = threading.Lock()
+
+
+def write_log(log, text):
+    """Append one command's output to the log whole (two chains write it)."""
+    with LOG_LOCK, open(log, "a") as f:
+        f.write(text)
 
 
 def run(command, env=None, log=None, timeout=600):
@@ -80,8 +103,7 @@ def run(command, env=None, log=None, timeout=600):
                             timeout=timeout)
     output = result.stdout + result.stderr
     if log:
-        with open(log, "a") as f:
-            f.write(f"$ {shlex.join(command)}\n{output}\n")
+        write_log(log, f"$ {shlex.join(command)}\n{output}\n")
     if result.returncode:
         raise RuntimeError(f"{shlex.join(command)} exited {result.returncode}: {output[-1500:]}")
     return output
@@ -103,6 +125,9 @@ def plan(sizes, tmp, dry):
     are what tests/test_gpu_check.py parses with the programs' own parsers, so that they cannot drift."""
     small, full, cache = (os.path.join(tmp, name) for name in ("small", "full", "cache"))
     cpu = {"CUDA_VISIBLE_DEVICES": "", "NPROC": "1"} if dry else {}
+    # The checks run as two chains at once: on the CPU one thread each, or OpenMP's threads spin against each
+    # other (the dry run's bf16 resume took 223 s beside the other chain with two threads each, 72-75 s with one).
+    checks = {**cpu, "OMP_NUM_THREADS": "1"} if dry else {}
     rate = ["--pretrained-backbone", "none", "--epochs", "1", "-p", "10", *sizes["recipe"]]
     small_run = ["--model", SMALL_MODEL, "--pretrained-backbone", "none", *sizes["small_args"]]
     return [
@@ -116,22 +141,23 @@ def plan(sizes, tmp, dry):
         ("cached", ["./run.sh", *rate, "-j", "4", "--cache-dir", cache],
          {**cpu, "DATA": full, "OUTPUT_DIR": os.path.join(tmp, "o_cache")}),
         ("resume 1", ["./run.sh", *small_run, "-b", "8", "--epochs", "1", "--amp", sizes["amp"], "-p", "50"],
-         {**cpu, "DATA": small, "OUTPUT_DIR": os.path.join(tmp, "o_resume")}),
+         {**checks, "DATA": small, "OUTPUT_DIR": os.path.join(tmp, "o_resume")}),
         ("resume 2", ["./run.sh", *small_run, "-b", "8", "--epochs", "2", "--amp", sizes["amp"], "-p", "50"],
-         {**cpu, "DATA": small, "OUTPUT_DIR": os.path.join(tmp, "o_resume")}),
+         {**checks, "DATA": small, "OUTPUT_DIR": os.path.join(tmp, "o_resume")}),
         ("preempt", ["./run.sh", *small_run, "--epochs", "1", "-p", "1"],
-         {**cpu, "DATA": small, "OUTPUT_DIR": os.path.join(tmp, "o_preempt")}),
+         {**checks, "DATA": small, "OUTPUT_DIR": os.path.join(tmp, "o_preempt")}),
         ("preempt resume", ["./run.sh", *small_run, "--epochs", "1", "-p", "50"],
-         {**cpu, "DATA": small, "OUTPUT_DIR": os.path.join(tmp, "o_preempt")}),
-        # MAX_RESTARTS=0: torchrun's restarts after the NaN (which exit at once, silent) cost 8 s each here and
-        # prove nothing this check needs; tests/test_recovery.py proves they do not repeat the line.
-        ("nan", ["./run.sh", *small_run, "-b", "8", "--epochs", "3", "--lr", "1e38", "-p", "50"],
-         {**cpu, "DATA": small, "OUTPUT_DIR": os.path.join(tmp, "o_resume"), "MAX_RESTARTS": "0"}),
-        ("predict", [PY, "predict.py", "--resume", os.path.join(tmp, "o_resume", "checkpoint.pth"),
+         {**checks, "DATA": small, "OUTPUT_DIR": os.path.join(tmp, "o_preempt")}),
+        # The preempted run's checkpoint (its one epoch done) trained on with a loss that turns NaN. MAX_RESTARTS=0:
+        # torchrun's restarts after the NaN (which exit at once, silent) cost 8 s each here and prove nothing
+        # this check needs; tests/test_recovery.py proves they do not repeat the line.
+        ("nan", ["./run.sh", *small_run, "--epochs", "2", "--lr", "1e38", "-p", "50"],
+         {**checks, "DATA": small, "OUTPUT_DIR": os.path.join(tmp, "o_preempt"), "MAX_RESTARTS": "0"}),
+        ("predict", [PY, "predict.py", "--resume", os.path.join(tmp, "o_preempt", "checkpoint.pth"),
                      os.path.join(small, "leftImg8bit", "val"), "--output-dir", os.path.join(tmp, "predictions"),
-                     "--amp", "-j", "2"], {**cpu}),
+                     "--amp", "-j", "2"], {**checks}),
         ("export", [PY, "predict.py", "--resume", os.path.join(tmp, "o_resume", "checkpoint.pth"), "--export",
-                    os.path.join(tmp, "model.onnx")], {**cpu}),
+                    os.path.join(tmp, "model.onnx")], {**checks}),
     ]
 
 
@@ -142,7 +168,8 @@ def main():
     parser.add_argument("--plan", action="store_true", help="print the commands, run nothing")
     parser.add_argument("--first-step-only", action="store_true", help="the device and the data, then stop")
     args = parser.parse_args()
-    out = args.out or tempfile.mkdtemp(prefix="gpu_check-")
+    # (--plan makes no folder: it names the default one DIR)
+    out = args.out or ("DIR" if args.plan else tempfile.mkdtemp(prefix="gpu_check-"))
     tmp = os.path.join(out, "work")
     sizes = SIZES["dry" if args.dry_run else "gpu"]
     commands = {name: (command, env) for name, command, env in plan(sizes, tmp, args.dry_run)}
@@ -219,8 +246,6 @@ def main():
 
     def preempt():
         command, env = commands["preempt"]
-        with open(log, "a") as f:
-            f.write(f"$ {shlex.join(command)}\n")
         process = subprocess.Popen(command, cwd=ROOT, env={**os.environ, **env}, stdout=subprocess.PIPE,
                                    stderr=subprocess.STDOUT, text=True)
         seen = []
@@ -231,8 +256,7 @@ def main():
                 break
         seen += process.stdout.readlines()
         status = process.wait(timeout=300)
-        with open(log, "a") as f:
-            f.write("".join(seen))
+        write_log(log, f"$ {shlex.join(command)}\n{''.join(seen)}\n")
         stopped = "stopped by signal" in "".join(seen) and status == 0
         finished = "done:" in go("preempt resume")
         check.record(preempt_ok=stopped and finished)
@@ -246,8 +270,7 @@ def main():
             before = hashlib.sha1(f.read()).hexdigest()
         result = subprocess.run(command, cwd=ROOT, env={**os.environ, **env}, capture_output=True, text=True,
                                 timeout=300)
-        with open(log, "a") as f:
-            f.write(f"$ {shlex.join(command)}\n{result.stdout}{result.stderr}\n")
+        write_log(log, f"$ {shlex.join(command)}\n{result.stdout}{result.stderr}\n")
         with open(checkpoint, "rb") as f:
             kept = hashlib.sha1(f.read()).hexdigest() == before
         said = "NaN or infinite" in result.stderr
@@ -279,11 +302,8 @@ def main():
     check.step("model_only", model_only)
     check.step("program", lambda: program("program", "program"))
     check.step("cached", cached)
-    check.step("resume", resume)
-    check.step("preempt", preempt)
-    check.step("nan", nan)
-    check.step("predict", predict)
-    check.step("onnx", onnx)
+    # Each chain uses its own run's checkpoint, so neither waits for the other.
+    check.side_by_side([("resume", resume), ("onnx", onnx)], [("preempt", preempt), ("nan", nan), ("predict", predict)])
     failed = check.failed + [k for k, v in check.results.items() if k.endswith("_ok") and v is False]
     print(f"gpu_check: {'all passed' if not failed else 'FAILED: ' + ', '.join(sorted(set(failed)))}; results in "
           f"{check.path}", flush=True)
