@@ -71,7 +71,8 @@ class Check:
             said = function()
             self.record(**{f"{name}_s": round(time.time() - start, 1)})
             print(f"gpu_check: {name}: {said} ({time.time() - start:.0f} s)", flush=True)
-        except Exception as error:  # a failed step is a finding: record it, run the others
+        except (Exception, SystemExit) as error:  # a failed step is a finding: record it, run the others
+            # (SystemExit too: in a chain's thread it would end the chain unseen, and the check would pass)
             with self.lock:
                 self.failed.append(name)
             why = str(error).strip().splitlines()[-1] if str(error).strip() else type(error).__name__
@@ -97,10 +98,33 @@ def write_log(log, text):
         f.write(text)
 
 
+def stop(process):
+    """A command past its time: SIGTERM twice (run.sh's second one stops torchrun and its workers at once; killing
+    run.sh alone would leave them training in a folder a later step uses), then whatever is left killed."""
+    for _ in range(2):
+        process.send_signal(signal.SIGTERM)  # (nothing, once it has ended)
+        time.sleep(1)
+    try:
+        process.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        process.kill()
+
+
+def execute(command, env=None, timeout=600):
+    """Run a command in the repository root, stopped whole after timeout seconds. -> its CompletedProcess."""
+    process = subprocess.Popen(command, cwd=ROOT, env={**os.environ, **(env or {})}, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        stop(process)
+        raise
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+
+
 def run(command, env=None, log=None, timeout=600):
-    """Run a command in the repository root; its output into the log file; -> its output. Fails on exit != 0."""
-    result = subprocess.run(command, cwd=ROOT, env={**os.environ, **(env or {})}, capture_output=True, text=True,
-                            timeout=timeout)
+    """Run a command (execute); its output into the log file; -> its output. Fails on exit != 0."""
+    result = execute(command, env, timeout)
     output = result.stdout + result.stderr
     if log:
         write_log(log, f"$ {shlex.join(command)}\n{output}\n")
@@ -126,7 +150,7 @@ def plan(sizes, tmp, dry):
     small, full, cache = (os.path.join(tmp, name) for name in ("small", "full", "cache"))
     cpu = {"CUDA_VISIBLE_DEVICES": "", "NPROC": "1"} if dry else {}
     # The checks run as two chains at once: on the CPU one thread each, or OpenMP's threads spin against each
-    # other (the dry run's bf16 resume took 223 s beside the other chain with two threads each, 72-75 s with one).
+    # other (the dry run's bf16 resume took 223 s beside the other chain with two threads each, 72-76 s with one).
     checks = {**cpu, "OMP_NUM_THREADS": "1"} if dry else {}
     rate = ["--pretrained-backbone", "none", "--epochs", "1", "-p", "10", *sizes["recipe"]]
     small_run = ["--model", SMALL_MODEL, "--pretrained-backbone", "none", *sizes["small_args"]]
@@ -255,7 +279,11 @@ def main():
                 process.send_signal(signal.SIGTERM)  # as a scheduler would, to run.sh
                 break
         seen += process.stdout.readlines()
-        status = process.wait(timeout=300)
+        try:
+            status = process.wait(timeout=300)
+        except subprocess.TimeoutExpired:
+            stop(process)
+            raise
         write_log(log, f"$ {shlex.join(command)}\n{''.join(seen)}\n")
         stopped = "stopped by signal" in "".join(seen) and status == 0
         finished = "done:" in go("preempt resume")
@@ -268,12 +296,11 @@ def main():
         checkpoint = os.path.join(env["OUTPUT_DIR"], "checkpoint.pth")
         with open(checkpoint, "rb") as f:
             before = hashlib.sha1(f.read()).hexdigest()
-        result = subprocess.run(command, cwd=ROOT, env={**os.environ, **env}, capture_output=True, text=True,
-                                timeout=300)
+        result = execute(command, env, timeout=300)
         write_log(log, f"$ {shlex.join(command)}\n{result.stdout}{result.stderr}\n")
         with open(checkpoint, "rb") as f:
             kept = hashlib.sha1(f.read()).hexdigest() == before
-        said = "NaN or infinite" in result.stderr
+        said = result.stderr.count("NaN or infinite") == 1  # one line: torchrun's restarts (none here) repeat none
         check.record(nan_ok=result.returncode == 1 and said and kept)
         return f"exit {result.returncode}, {'said' if said else 'NOT said'}, checkpoint {'kept' if kept else 'CHANGED'}"
 
