@@ -81,8 +81,11 @@ class Check:
 
     def side_by_side(self, *chains):
         """Run chains of steps at once, each chain's steps in order: [(name, function)] each."""
-        threads = [threading.Thread(target=lambda chain=chain: [self.step(*step) for step in chain])
-                   for chain in chains]
+        def run_chain(chain):
+            for name, function in chain:
+                self.step(name, function)
+
+        threads = [threading.Thread(target=run_chain, args=(chain,)) for chain in chains]
         for thread in threads:
             thread.start()
         for thread in threads:
@@ -101,13 +104,14 @@ def write_log(log, text):
 def stop(process):
     """A command past its time: SIGTERM twice (run.sh's second one stops torchrun and its workers at once; killing
     run.sh alone would leave them training in a folder a later step uses), then whatever is left killed."""
-    for _ in range(2):
+    for wait in (2, 60):
         process.send_signal(signal.SIGTERM)  # (nothing, once it has ended)
-        time.sleep(1)
-    try:
-        process.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        process.kill()
+        try:
+            process.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            pass
+    process.kill()
 
 
 def execute(command, env=None, timeout=600):
