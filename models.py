@@ -118,7 +118,9 @@ def _backbone(name, output_stride, pretrained):
 class _PoolingBatchNorm(nn.BatchNorm2d):
     """BatchNorm that, given a single value per channel in training, normalises with its running
     statistics (as in evaluation) instead of failing. With two or more values it is plain BatchNorm.
-    Under SyncBatchNorm it is converted like any BatchNorm: batch statistics over all GPUs' images."""
+    SyncBatchNorm.convert_sync_batchnorm replaces it, as any BatchNorm, with a plain SyncBatchNorm (this
+    fallback gone): main.py converts only with two or more processes, where the statistics come from every
+    GPU's images, so never from fewer than two values per channel."""
 
     def forward(self, x):
         if self.training and x.shape[0] * x.shape[2] * x.shape[3] == 1:

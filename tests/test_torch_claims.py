@@ -1,0 +1,288 @@
+"""What main.py's comments, its modules' and the README's say PyTorch does, checked against the installed torch: one
+test per claim, named after it. A newer torch that changes one of these fails here instead of misleading a learner
+who copies the comment. Nothing here runs on a GPU; what only a GPU shows is listed in docs/tests.md."""
+import json
+import os
+import subprocess
+import sys
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader
+from torch.utils.data.distributed import DistributedSampler
+
+from conftest import ROOT
+
+# --- the launchers: what a process is given -----------------------------------------------------------------------
+RECORDER = """import json, os, sys
+count = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+with open(os.path.join(os.environ["RECORD_TO"], f"attempt{count}.json"), "w") as f:
+    json.dump({"argv": sys.argv[1:], "LOCAL_RANK": os.environ.get("LOCAL_RANK"), "restarts": count}, f)
+sys.exit(1 if count == "0" else 0)  # the first attempt fails: does the launcher start it again?
+"""
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    """One torchrun (a restart allowed) and one torch.distributed.launch, side by side, each starting a script that
+    records its arguments and environment. -> {launcher: [what each attempt recorded]}."""
+    folder = tmp_path_factory.mktemp("launched")
+    script = folder / "record.py"
+    script.write_text(RECORDER)
+    runs = {}
+    for name, module in (("torchrun", "torch.distributed.run"), ("launch", "torch.distributed.launch")):
+        out = folder / name
+        out.mkdir()
+        runs[name] = subprocess.Popen([sys.executable, "-m", module, "--standalone", "--nproc_per_node=1",
+                                       "--max-restarts=1", str(script), "--mine"], cwd=ROOT, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1",
+                                                                     "RECORD_TO": str(out)})
+    for process in runs.values():
+        process.communicate(timeout=120)
+    return {name: [json.loads(path.read_text()) for path in sorted((folder / name).glob("attempt*.json"))]
+            for name in runs}
+
+
+def test_torchrun_sets_local_rank_in_the_environment_and_passes_no_argument(launched):
+    first = launched["torchrun"][0]
+    assert first["LOCAL_RANK"] == "0" and first["argv"] == ["--mine"]  # the script's own arguments, no more
+
+
+def test_torchrun_restarts_every_worker_after_a_failure_and_counts_the_restarts(launched):
+    assert [attempt["restarts"] for attempt in launched["torchrun"]] == ["0", "1"]  # any exit status but 0
+
+
+def test_torch_distributed_launch_passes_local_rank_with_a_dash(launched):
+    first = launched["launch"][0]
+    assert first["argv"] == ["--local-rank=0", "--mine"] and first["LOCAL_RANK"] == "0"
+
+
+# --- process groups, samplers, loaders ----------------------------------------------------------------------------
+def test_process_groups_time_out_after_30_minutes_with_gloo_and_10_with_nccl_by_default():
+    from torch.distributed import constants
+    assert constants.default_pg_timeout == timedelta(minutes=30)
+    assert constants.default_pg_nccl_timeout in (timedelta(minutes=10), None)  # None: a build without NCCL
+
+
+def test_distributed_sampler_pads_every_share_to_one_length_by_repeating_indices():
+    shares = [list(DistributedSampler(range(5), num_replicas=2, rank=rank, shuffle=False)) for rank in (0, 1)]
+    assert shares == [[0, 2, 4], [1, 3, 0]]  # 5 images, 2 ranks: index 0 twice, every rank 3 steps of 1
+
+
+def test_without_set_epoch_every_epoch_has_the_same_order():
+    sampler = DistributedSampler(range(20), num_replicas=2, rank=0, shuffle=True, seed=0)
+    first, second = list(sampler), list(sampler)
+    sampler.set_epoch(1)
+    assert first == second and list(sampler) != first
+
+
+def test_drop_last_drops_only_a_last_partial_batch():
+    assert [len(batch) for batch in DataLoader(range(7), batch_size=3, drop_last=True)] == [3, 3]
+    assert [len(batch) for batch in DataLoader(range(6), batch_size=3, drop_last=True)] == [3, 3]
+
+
+# --- DDP, on two forked gloo processes ----------------------------------------------------------------------------
+class _TwoBatchNorms(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv, self.norm = torch.nn.Conv2d(2, 4, 1), torch.nn.BatchNorm2d(4)
+        self.head = torch.nn.Linear(4, 1)
+
+    def forward(self, x):
+        return self.head(self.norm(self.conv(x)).mean((2, 3)))
+
+
+def _ddp_claims(rank, world_size, tmp):
+    """Each claim's observation on this rank, recorded for rank 0's file."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=world_size)
+    seen = {}
+    torch.manual_seed(rank)  # different weights on each rank before DDP
+    model = _TwoBatchNorms()
+    ddp = DDP(model)
+    weights = [p.detach().clone() for p in model.parameters()]
+    gathered = [[torch.zeros_like(w) for w in weights] for _ in range(world_size)]
+    for w, outs in zip(weights, zip(*gathered)):
+        dist.all_gather(list(outs), w)
+    seen["weights_equal_after_wrap"] = all(torch.equal(a, b) for a, b in zip(gathered[0], gathered[1]))
+
+    model.norm.momentum = 0.0  # a forward in training leaves the running statistics as they are
+
+    def broadcasts(forward):
+        """Whether a forward broadcast rank 0's buffers: each rank's running mean set to its rank first."""
+        model.norm.running_mean.fill_(float(rank))
+        forward()
+        return bool((model.norm.running_mean == 0).all()) if rank == 1 else None
+
+    x = torch.randn(4, 2, 3, 3)
+    model.train()
+    seen["buffers_broadcast_in_training"] = broadcasts(lambda: ddp(x).sum().backward())
+    with torch.no_grad():
+        seen["first_no_grad_forward_broadcasts"] = broadcasts(lambda: ddp(x))
+        seen["second_no_grad_forward_broadcasts"] = broadcasts(lambda: ddp(x))
+
+    # no_sync: the gradient stays this rank's own until a backward outside it all-reduces the sum.
+    torch.manual_seed(0)
+    net = torch.nn.Linear(3, 1, bias=False)
+    ddp_net = DDP(net)
+    inputs = torch.full((1, 3), float(rank + 1))
+    with ddp_net.no_sync():
+        ddp_net(inputs).sum().backward()
+    seen["grad_inside_no_sync"] = net.weight.grad.clone().tolist()
+    ddp_net(inputs).sum().backward()
+    seen["grad_after_sync"] = net.weight.grad.clone().tolist()
+
+    # DDP on a CPU module: device_ids must be None, and SyncBatchNorm is refused.
+    try:
+        DDP(torch.nn.Linear(2, 2), device_ids=[0])
+        seen["cpu_device_ids_refused"] = False
+    except (ValueError, AssertionError, RuntimeError):
+        seen["cpu_device_ids_refused"] = True
+    try:
+        DDP(torch.nn.SyncBatchNorm.convert_sync_batchnorm(torch.nn.Sequential(torch.nn.BatchNorm2d(2))))
+        seen["cpu_sync_batchnorm_refused"] = None
+    except ValueError as error:
+        seen["cpu_sync_batchnorm_refused"] = str(error)
+
+    # gradient_as_bucket_view: the reducer's copies into the buckets, counted by the profiler, one way and the other.
+    for set_to_none in (True, False):
+        torch.manual_seed(0)
+        bucketed = DDP(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1)), gradient_as_bucket_view=True)
+        optimizer = torch.optim.SGD(bucketed.parameters(), lr=0.1)
+
+        def step():
+            optimizer.zero_grad(set_to_none=set_to_none)
+            bucketed(torch.randn(2, 8)).sum().backward()
+            optimizer.step()
+        step()  # the first: every gradient is new, and copied
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profiler:
+            step()
+            step()
+        copies = sum(event.count for event in profiler.key_averages() if "reducer::mul_out" in event.key)
+        storages = {p.grad.untyped_storage().data_ptr() for p in bucketed.parameters()}
+        seen[f"copies_set_to_none_{set_to_none}"] = copies
+        seen[f"gradients_share_one_bucket_{set_to_none}"] = len(storages) == 1
+    if rank == 1:
+        with open(f"{tmp}/claims.json", "w") as f:
+            json.dump(seen, f)
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def ddp_seen(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("ddp_claims")
+    mp.start_processes(_ddp_claims, args=(2, str(tmp)), nprocs=2, join=True, start_method="fork")
+    with open(tmp / "claims.json") as f:
+        return json.load(f)
+
+
+def test_ddp_broadcasts_rank_0s_weights_when_it_wraps_a_model(ddp_seen):
+    assert ddp_seen["weights_equal_after_wrap"]
+
+
+def test_ddp_broadcasts_rank_0s_buffers_at_each_training_forward(ddp_seen):
+    assert ddp_seen["buffers_broadcast_in_training"]
+
+
+def test_without_gradients_ddp_broadcasts_buffers_at_the_first_forward_only(ddp_seen):
+    assert ddp_seen["first_no_grad_forward_broadcasts"] and not ddp_seen["second_no_grad_forward_broadcasts"]
+
+
+def test_no_sync_keeps_each_ranks_gradient_and_the_next_backward_averages_the_sums(ddp_seen):
+    # Rank r's input is r + 1: rank 1's own gradient (2s) inside no_sync; after the next backward, outside it,
+    # the average of each rank's sum: ((1 + 1) + (2 + 2)) / 2 = 3.
+    assert ddp_seen["grad_inside_no_sync"] == [[2.0, 2.0, 2.0]]
+    assert ddp_seen["grad_after_sync"] == [[3.0, 3.0, 3.0]]
+
+
+def test_ddp_on_a_cpu_module_refuses_device_ids(ddp_seen):
+    assert ddp_seen["cpu_device_ids_refused"]
+
+
+def test_ddp_refuses_syncbatchnorm_on_the_cpu(ddp_seen):
+    assert ddp_seen["cpu_sync_batchnorm_refused"] == "SyncBatchNorm layers only work with GPU modules"
+
+
+def test_gradients_set_to_none_are_copied_into_ddps_buckets_every_step_zeroed_in_place_they_are_not(ddp_seen):
+    assert ddp_seen["copies_set_to_none_True"] == 2 * 4  # 4 parameters, 2 steps after the first
+    assert ddp_seen["copies_set_to_none_False"] == 0
+    assert ddp_seen["gradients_share_one_bucket_False"]  # views of one bucket
+
+
+# --- SyncBatchNorm ------------------------------------------------------------------------------------------------
+def test_convert_sync_batchnorm_replaces_a_batchnorm_subclass_with_a_plain_syncbatchnorm():
+    from models import _PoolingBatchNorm
+    converted = torch.nn.SyncBatchNorm.convert_sync_batchnorm(torch.nn.Sequential(_PoolingBatchNorm(4)))
+    assert type(converted[0]) is torch.nn.SyncBatchNorm  # the subclass's own forward is gone
+
+
+def test_sync_batchnorm_without_a_group_of_several_processes_is_plain_batchnorm():
+    one = torch.randn(1, 4, 1, 1)  # so it fails as BatchNorm does on one value per channel
+    with pytest.raises(ValueError, match="Expected more than 1 value per channel"):
+        torch.nn.SyncBatchNorm(4).train()(one)
+
+
+def test_sync_batchnorm_takes_one_value_per_channel_on_each_of_two_processes():
+    from torch.nn.modules._functions import SyncBatchNorm as sync_batch_norm
+    one = torch.randn(1, 4, 1, 1)  # ASPP's pooling branch with one image per GPU
+    arguments = (torch.ones(4), torch.zeros(4), torch.zeros(4), torch.ones(4), 1e-5, 0.1, None)
+    with pytest.raises(ValueError, match="Expected more than 1 value per channel"):
+        sync_batch_norm.apply(one, *arguments, 1)
+    # Two processes: the count check passes, and the statistics are computed (on a GPU: the CPU has no kernel)
+    with pytest.raises(NotImplementedError):
+        sync_batch_norm.apply(one, *arguments, 2)
+
+
+def test_batchnorm_in_training_refuses_one_value_per_channel():
+    with pytest.raises(ValueError, match="Expected more than 1 value per channel"):
+        torch.nn.BatchNorm2d(4).train()(torch.randn(1, 4, 1, 1))
+
+
+# --- numbers --------------------------------------------------------------------------------------------------
+def test_bfloat16_has_float32s_range_and_float16_does_not():
+    assert torch.finfo(torch.bfloat16).max > 3e38 and torch.finfo(torch.float32).max > 3e38
+    assert torch.finfo(torch.float16).max == 65504 and torch.finfo(torch.float16).tiny > 6e-5
+
+
+def test_cross_entropy_mean_over_no_labelled_pixel_is_nan():
+    labels = torch.full((1, 2, 2), 255)
+    assert torch.isnan(F.cross_entropy(torch.randn(1, 3, 2, 2), labels, ignore_index=255))
+
+
+def test_softmax_rounding_can_make_two_different_logits_equal_probabilities():
+    logits = torch.tensor([0.0, 1e-8])
+    assert logits.argmax() == 1 and logits.softmax(0)[0] == logits.softmax(0)[1] and logits.softmax(0).argmax() == 0
+
+
+def test_out_of_memory_is_a_runtime_error_of_its_own_type():
+    assert issubclass(torch.OutOfMemoryError, RuntimeError) and torch.OutOfMemoryError is torch.cuda.OutOfMemoryError
+
+
+# --- torch.load, torch.compile ------------------------------------------------------------------------------------
+def test_torch_load_weights_only_reads_plain_data_and_refuses_objects(tmp_path):
+    import argparse
+    torch.save({"args": {"lr": 0.1}, "model": {"w": torch.ones(2)}}, tmp_path / "plain.pth")
+    assert torch.load(tmp_path / "plain.pth", weights_only=True)["args"] == {"lr": 0.1}
+    torch.save({"args": argparse.Namespace(lr=0.1)}, tmp_path / "namespace.pth")
+    with pytest.raises(Exception, match="Weights only load failed"):
+        torch.load(tmp_path / "namespace.pth", weights_only=True)
+
+
+def test_torch_load_does_not_notice_bytes_changed_inside_a_tensor(tmp_path):
+    path = tmp_path / "c.pth"
+    torch.save({"w": torch.zeros(100_000)}, path)
+    data = bytearray(path.read_bytes())
+    at = data.index(b"\x00" * 4096, 2048)  # inside the tensor's zeros
+    data[at:at + 4096] = b"\x01" * 4096
+    path.write_bytes(bytes(data))
+    assert torch.load(path, weights_only=True)["w"].abs().sum() > 0  # no error: a checkpoint needs its own digest
+
+
+def test_torch_compile_splits_a_ddp_models_graph_at_its_buckets_by_default():
+    import torch._dynamo
+    assert torch._dynamo.config.optimize_ddp  # DDPOptimizer: the all-reduce still overlaps the backward
