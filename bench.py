@@ -189,7 +189,8 @@ def loop_overhead(batch, size, steps, rounds=2):
     images, labels = _batch(batch, size)
     pixels = torch.randint(0, 256, images.shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
     loader = [(pixels, labels)] * steps  # uint8, as the data set gives it: both sides normalise
-    args = argparse.Namespace(amp=None, print_freq=10, epochs=1, batch_size=batch, lr=0.01, seed=0)
+    # main.py's own flags, as its parser gives them: a flag the loop reads cannot be missing here.
+    args = main.get_args_parser().parse_args(["-b", str(batch), "--lr", "0.01", "--epochs", "1", "-p", "10"])
     bare, ours = [], []
     for _ in range(rounds):
         for kind in ("bare", "main"):
@@ -211,6 +212,121 @@ def loop_overhead(batch, size, steps, rounds=2):
                 main.train_one_epoch(model, optimizer, scaler, loader, torch.device("cpu"), 0, 0, steps, args)
                 ours.append(time.perf_counter() - start)
     return min(ours) / min(bare) - 1, min(bare) / steps
+
+
+# --- DDP's gradients in its buckets: zeroed in place or set to None ---------------------------------------------
+def _bucket_worker(rank, world_size, set_to_none, device, model_name, batch, size, steps, warmup, port, result_file):
+    """One process of a bucket-view run: DDP with gradient_as_bucket_view=True, the gradients zeroed in place or set
+    to None before each step; -> (seconds for `steps` steps, peak memory GiB, reducer copies in one profiled step)."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    torch.set_num_threads(1)
+    cuda = device == "cuda"
+    if cuda:
+        torch.cuda.set_device(rank)
+        torch.backends.cudnn.benchmark = True
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world_size)
+    torch.manual_seed(0)
+    memory_format = torch.channels_last if cuda else torch.contiguous_format
+    model = build_model(model_name, dataset.NUM_CLASSES).to(device, memory_format=memory_format).train()
+    model = DDP(model, device_ids=[rank] if cuda else None, gradient_as_bucket_view=True)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=1e-4)
+    images, labels = (t.to(device) for t in _batch(batch, size))
+    images = images.contiguous(memory_format=memory_format)
+
+    def step():
+        optimizer.zero_grad(set_to_none=set_to_none)
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=cuda):
+            loss = main.criterion(model(images), labels)
+        loss.backward()
+        optimizer.step()
+
+    for _ in range(warmup):
+        step()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profiler:
+        step()
+    copies = sum(event.count for event in profiler.key_averages() if "reducer::mul_out" in event.key)
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    if cuda:
+        torch.cuda.synchronize()
+    elapsed = time.perf_counter() - start
+    peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else records.peak_memory_gib(torch.device("cpu"))
+    dist.destroy_process_group()
+    with open(f"{result_file}.{rank}", "w") as f:
+        json.dump([elapsed, peak, copies], f)
+
+
+def bucket_views(device="cpu", rounds=2, quick=False):
+    """main.py zeroes DDP's gradients in place; PyTorch's default, set_to_none, makes DDP's reducer copy each
+    gradient into its bucket every step. Both ways side by side, alternated, fresh processes each run (2 gloo
+    processes on the CPU, MobileNetV3 at 128x256, batch 4; one GPU: ResNet-101 at 768, batch 8, bf16,
+    channels_last). -> {way: (seconds a step, the fastest run; peak GiB, the largest rank; copies a step)}."""
+    import torch.multiprocessing as mp
+    cuda = device == "cuda"
+    world_size = 1 if cuda else 2
+    model_name, batch, size = (("deeplabv3plus_resnet101", 8, (768, 768)) if cuda else
+                               (MODEL, 2, (64, 64)) if quick else (MODEL, 4, (128, 256)))
+    steps, warmup = (2, 1) if quick else (10, 3)
+    found = {"set_to_none": [], "in place": []}
+    for _ in range(rounds):
+        for way in found:
+            with tempfile.TemporaryDirectory() as tmp:
+                result = os.path.join(tmp, "bucket")
+                mp.start_processes(_bucket_worker, args=(world_size, way == "set_to_none", device, model_name, batch,
+                                                         size, steps, warmup, _free_port(), result),
+                                   nprocs=world_size, join=True, start_method="fork" if quick else "spawn")
+                runs = [json.load(open(f"{result}.{rank}")) for rank in range(world_size)]
+            found[way].append((max(r[0] for r in runs) / steps, max(r[1] for r in runs), runs[0][2]))
+    return {way: (min(r[0] for r in runs), max(r[1] for r in runs), runs[0][2]) for way, runs in found.items()}
+
+
+def print_bucket_views(results):
+    (none_s, none_gib, none_copies), (place_s, place_gib, place_copies) = results["set_to_none"], results["in place"]
+    print(f"gradients zeroed with set_to_none: {none_s * 1000:.1f} ms a step, peak {none_gib:.3f} GiB, {none_copies} "
+          f"reducer copies a step; in place: {place_s * 1000:.1f} ms, peak {place_gib:.3f} GiB, {place_copies} copies; "
+          f"in place / set_to_none: time {place_s / none_s:.3f}, memory {place_gib / none_gib:.3f}")
+    return [("step time, gradients zeroed in place / set_to_none", f"{place_s / none_s:.3f}", "(reported)", None),
+            ("peak memory, in place / set_to_none", f"{place_gib / none_gib:.3f}", "(reported)", None)]
+
+
+# --- the checkpoint's digest: what verifying a checkpoint costs ----------------------------------------------------
+def checkpoint_digest(rounds=3, model_name="deeplabv3plus_resnet101"):
+    """The recipe's checkpoint (DeepLabV3+ ResNet-101 with SGD's momentum: what main.py saves after an epoch):
+    checkpoints.save (digest computed, then torch.save) against torch.save alone, and checkpoints.read (digest
+    checked) against torch.load alone, alternated; the fastest round of each. -> ({way: seconds}, bytes)."""
+    import checkpoints
+    torch.set_num_threads(1)
+    model = build_model(model_name, dataset.NUM_CLASSES)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    optimizer.step()  # the momentum buffers exist, as after a step
+    args = main.get_args_parser().parse_args(["--model", model_name])
+    state = checkpoints.state(model, optimizer, torch.amp.GradScaler("cpu", enabled=False), args, 1,
+                              {"names": dataset.CLASS_NAMES, "colors": dataset.CLASS_COLORS}, epoch=1, step=0,
+                              best_miou=0.5, epoch_loss_sum=0.0)
+    times = {"save before (temporary file, torch.save, fsync, rename)": [], "save now (the digest too)": [],
+             "read before (torch.load)": [], "read now (the digest checked)": [], "the digest alone": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        plain, ours = os.path.join(tmp, "plain.pth"), os.path.join(tmp, "ours.pth")
+        for _ in range(rounds):
+            for name, run in zip(times, (
+                    lambda: checkpoints.write_atomically(plain, lambda f: torch.save(state, f)),
+                    lambda: checkpoints.save(state, ours),
+                    lambda: torch.load(plain, map_location="cpu", weights_only=True),
+                    lambda: checkpoints.read("--resume", ours),
+                    lambda: checkpoints.digest(state))):
+                start = time.perf_counter()
+                run()
+                times[name].append(time.perf_counter() - start)
+        size = os.path.getsize(ours)
+    return {name: min(values) for name, values in times.items()}, size
 
 
 # --- the CPU: memory of each rank, evaluation time -----------------------------------------------------------
@@ -350,7 +466,8 @@ def bench_gpu(batch, crop, steps, warmup):
     torch.backends.cudnn.benchmark = True  # fixed sizes: let cuDNN pick the fastest kernels once
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}: DeepLabV3+ ResNet-101, "
           f"crop {crop}, batch {batch}, {steps} timed steps after {warmup}")
-    configs = [("fp32", None, False, False), ("bf16 autocast", torch.bfloat16, False, False),
+    configs = [("fp32", None, False, False), ("fp32 + channels_last", None, True, False),
+               ("bf16 autocast", torch.bfloat16, False, False),
                ("bf16 + channels_last", torch.bfloat16, True, False),
                ("bf16 + channels_last + compile", torch.bfloat16, True, True)]
     base = None
@@ -423,17 +540,39 @@ def bench_dp_vs_ddp(batch, crop, steps, warmup):
         print(f"{name:<14} {rate:8.1f} {rate / dp_rate:6.2f}  " + " ".join(f"{m:.2f}" for m in memory))
 
 
-if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def get_args_parser():
+    parser = argparse.ArgumentParser(prog="bench.py", description=__doc__.split("\n")[0])
     parser.add_argument("--gpu", action="store_true", help="the single-GPU precision/layout table")
     parser.add_argument("--quick", action="store_true", help="tiny sizes: checks that it runs, not timings")
     parser.add_argument("--data", action="store_true", help="the data pipeline's measures alone (section 3)")
+    parser.add_argument("--bucket-views", action="store_true", help="DDP's gradients zeroed in place against "
+                        "set_to_none, side by side (with --gpu: on one GPU)")
+    parser.add_argument("--checkpoint", action="store_true", help="what the checkpoint digest costs on the "
+                        "recipe's checkpoint (ResNet-101)")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--crop", type=int, default=768)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
-    args = parser.parse_args()
-    if args.gpu:
+    return parser
+
+
+if __name__ == "__main__":
+    args = get_args_parser().parse_args()
+    if args.checkpoint:
+        times, size = checkpoint_digest(rounds=1 if args.quick else 3)
+        print(f"CPU: {os.cpu_count()} cores, torch {torch.__version__}: the recipe's checkpoint, {size / 1e6:.0f} MB "
+              f"(DeepLabV3+ ResNet-101 with SGD's momentum), on {tempfile.gettempdir()}; the fastest of the rounds:")
+        for name, seconds in times.items():
+            print(f"  {name:<56} {seconds:6.2f} s")
+        save, read = list(times.values())[:2], list(times.values())[2:4]
+        print(f"  the digest: a save {save[1] / save[0]:.2f}x, a read {read[1] / read[0]:.2f}x")
+    elif args.bucket_views:
+        print(f"{torch.cuda.get_device_name() if args.gpu else f'CPU: {os.cpu_count()} cores'}, torch "
+              f"{torch.__version__}: DDP, gradient_as_bucket_view=True")
+        results = bucket_views("cuda" if args.gpu else "cpu", rounds=1 if args.gpu else 3, quick=args.quick)
+        print_table(print_bucket_views(results))
+        print(json.dumps({way: list(values) for way, values in results.items()}))
+    elif args.gpu:
         if not torch.cuda.is_available():
             raise SystemExit("bench.py --gpu: no CUDA device visible")
         bench_gpu(args.batch, args.crop, args.steps, args.warmup)

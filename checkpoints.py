@@ -1,16 +1,23 @@
-"""Checkpoints: which one a run starts from, decided in one place; reading them (or saying in one line why one
-cannot be used); the model they give; writing them so that a crash never leaves half of one.
+"""Checkpoints, their one owner: what one holds, which one a run starts from (decided in one place), reading them
+(or saying in one line why one cannot be used), the model they give, and writing them so that a crash never
+leaves half of one and a damaged copy is never trusted.
 
-    start = checkpoints.decide_start(args)          # --resume PATH|auto, a torchrun restart, or a fresh start
+    start = checkpoints.decide_start(args)          # --resume PATH|auto, a torchrun restart, --weights, or afresh
     model = checkpoints.start_model(args, classes, start)   # its weights, or --weights, or the pretrained backbone
     position = checkpoints.resume_training(start, optimizer, scaler, args, world_size)
     checkpoints.continue_run_at(args, start, position)   # metrics from there; a rewind keeps what it drops
-    checkpoints.save(state, path, keep_previous=True)   # temporary file, fsync, rename
+    state = checkpoints.state(model, optimizer, scaler, args, world_size, classes, epoch=, step=, ...)
+    checkpoints.save(state, path, keep_previous=True)   # its digest added; temporary file, fsync, rename
+    model, classes = checkpoints.load_for_inference(path)   # predict.py: everything from the checkpoint
 
 A checkpoint is a dict (weights_only: data, not code): model, optimizer, scaler (GradScaler), epoch and step
-(the position: the next step to run), epoch_loss_sum, best_miou, args (vars), world_size, batch_size, classes.
+(the position: the next optimizer step to run, epochs counted from 0), epoch_loss_sum, best_miou, args (vars),
+world_size, batch_size, accum_steps, classes, and digest: a SHA-256 of everything else in it, written with it
+in the same file (so atomically), and checked by every reader (read()).
 """
+import hashlib
 import json
+import math
 import os
 import shutil
 from types import SimpleNamespace
@@ -19,12 +26,64 @@ import torch
 import torch.distributed as dist
 
 import paths
-from dataset import CLASS_NAMES
-from models import build_model
+from dataset import CLASS_COLORS, CLASS_NAMES
+from models import MODEL_NAMES, build_model
 from paths import fail, first_line
 from recovery import log
 
 TRAINING_STATE = ("optimizer", "scaler", "epoch", "world_size", "batch_size")  # what resuming training needs
+DEFAULT_MODEL, DEFAULT_OUTPUT_STRIDE = "deeplabv3plus_resnet101", 16  # the recipe's, when no checkpoint says
+
+
+# --- what a checkpoint holds ------------------------------------------------------------------------------------
+def state(model, optimizer, scaler, args, world_size, classes, epoch, step, best_miou, epoch_loss_sum):
+    """A training checkpoint's dict: plain data, which torch.load(weights_only=True) reads back. epoch, step: the
+    position to continue from (the next optimizer step); epoch_loss_sum: the loss summed over the epoch's steps
+    so far, over all ranks."""
+    return {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "scaler": scaler.state_dict(),
+            "epoch": epoch, "step": step, "epoch_loss_sum": epoch_loss_sum, "best_miou": best_miou,
+            "args": vars(args), "world_size": world_size, "batch_size": args.batch_size,
+            "accum_steps": args.accum_steps, "classes": classes}
+
+
+def _to_cpu(value):
+    """The same nested data with every tensor on the CPU: copied once, then digested and saved."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, dict):
+        return {key: _to_cpu(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_cpu(item) for item in value)
+    return value
+
+
+def digest(checkpoint):
+    """SHA-256 over everything in a checkpoint but its "digest": each tensor's dtype, shape and bytes, every other
+    value's repr, in the dicts' order (which torch.save keeps). torch.load checks no checksum of the bytes it
+    reads: a tensor damaged in a bad copy loads without an error. This finds it."""
+    sha = hashlib.sha256()
+
+    def walk(value):
+        if isinstance(value, torch.Tensor):
+            tensor = value.detach().cpu().contiguous()
+            sha.update(f"tensor {tensor.dtype} {tuple(tensor.shape)}:".encode())
+            sha.update(tensor.reshape(-1).view(torch.uint8).numpy())
+        elif isinstance(value, dict):
+            sha.update(b"{")
+            for key, item in value.items():
+                if value is not checkpoint or key != "digest":
+                    sha.update(repr(key).encode() + b":")
+                    walk(item)
+            sha.update(b"}")
+        elif isinstance(value, (list, tuple)):
+            sha.update(b"[" if isinstance(value, list) else b"(")
+            for item in value:
+                walk(item)
+            sha.update(b"]")
+        else:
+            sha.update(repr(value).encode() + b",")
+    walk(checkpoint)
+    return "sha256:" + sha.hexdigest()
 
 
 # --- writing ----------------------------------------------------------------------------------------------
@@ -55,9 +114,21 @@ def write_atomically(path, data, before_rename=None):
     os.close(directory)
 
 
+def seal(state):
+    """The state to save: a copy on the CPU with its digest. Sealed once, saved as often as wanted (an epoch's
+    checkpoint.pth and best.pth). The state given is left as it was."""
+    sealed = _to_cpu(state)
+    sealed["digest"] = digest(sealed)
+    return sealed
+
+
 def save(state, path, keep_previous=False):
-    """Written atomically. keep_previous: the checkpoint it replaces stays as *.prev.pth, a fallback. A write
-    that fails (a full disk) leaves the previous checkpoint as it was and ends the run in one line."""
+    """Written atomically, with its digest (sealed here unless it was). keep_previous: the checkpoint it replaces
+    stays as *.prev.pth, a fallback. A write that fails (a full disk) leaves the previous checkpoint as it was and
+    ends the run in one line."""
+    if "digest" not in state:
+        state = seal(state)
+
     def keep_previous_one():
         if os.path.isfile(path):
             previous = previous_path(path)
@@ -69,17 +140,22 @@ def save(state, path, keep_previous=False):
         write_atomically(path, lambda f: torch.save(state, f), keep_previous_one if keep_previous else None)
     except (OSError, RuntimeError) as error:  # torch.save reports a failed write as a RuntimeError
         folder = os.path.dirname(os.path.abspath(path))
-        kept = f"{path} is the last one written" if os.path.isfile(path) else "no checkpoint was kept"
+        kept = os.path.isfile(path)
+        then = (f"{path} is the last one written. Free space; then, to resume, {paths.resume_advice()}" if kept else
+                "no checkpoint was kept. Free space, then run the same command again")
         fail(f"cannot write {path} ({getattr(error, 'strerror', None) or first_line(error)}; "
-             f"{shutil.disk_usage(folder).free / 2**20:.0f} MiB free there): {kept}. Free space; then, to resume, "
-             f"{paths.resume_advice()}")
+             f"{shutil.disk_usage(folder).free / 2**20:.0f} MiB free there): {then}")
 
 
 # --- reading ----------------------------------------------------------------------------------------------
+_unverified = set()  # checkpoints without a digest, said once each
+
+
 def read(flag, path):
-    """The checkpoint at path, given to `flag`, as a dict with at least "model"; else one line that says what the
-    file is instead. A bare state dict (torch.save(model.state_dict())) is taken as {"model": it}, and one saved
-    from the DDP-wrapped model (every key "module.…") without that prefix."""
+    """The checkpoint at path, given to `flag`, as a dict with at least "model", its digest checked; else one line
+    that says what the file is instead. A bare state dict (torch.save(model.state_dict())) is taken as {"model":
+    it}, and one saved from the DDP-wrapped model (every key "module.…") without that prefix. A checkpoint without
+    a digest (written before checkpoints carried one, or not by main.py) is read, and that is said once."""
     if os.path.isdir(path):
         found = [name for name in ("best.pth", "checkpoint.pth") if os.path.isfile(os.path.join(path, name))]
         fail(f"{flag} {path} is a folder, not a checkpoint: give a checkpoint file"
@@ -92,6 +168,16 @@ def read(flag, path):
         checkpoint = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:
         fail(f"{flag} {path} cannot be read ({first_line(error)}): it is truncated, or not a PyTorch checkpoint")
+    if isinstance(checkpoint, dict) and "digest" in checkpoint:
+        if checkpoint["digest"] != digest(checkpoint):
+            fail(f"{flag} {path} is damaged: what it holds differs from the digest written with it (a bad copy or "
+                 "download?); copy it again, or give another checkpoint (one changed on purpose: remove its "
+                 "'digest' entry)")
+        del checkpoint["digest"]
+    elif path not in _unverified:
+        _unverified.add(path)
+        log(f"note: {path} carries no digest (written before checkpoints had one, or not by main.py): it is read "
+            "without a check that it is whole")
     if isinstance(checkpoint, dict) and checkpoint and all(isinstance(v, torch.Tensor) for v in checkpoint.values()):
         checkpoint = {"model": checkpoint}
     if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get("model"), dict) or not checkpoint["model"]:
@@ -119,7 +205,8 @@ def classes_of(checkpoint):
 def _check_model_name(checkpoint, flag, path, model_name):
     saved = checkpoint.get("args", {}).get("model")
     if saved and saved != model_name:
-        fail(f"{flag} {path} holds a {saved} model, but this run builds {model_name}: pass --model {saved}")
+        fail(f"{flag} {path} holds a {saved} model, but --model {model_name} was given: leave --model out (a "
+             f"checkpoint's own is the default) or pass --model {saved}")
 
 
 def _load_fitting(model, weights, flag, path, model_name):
@@ -134,6 +221,30 @@ def _load_fitting(model, weights, flag, path, model_name):
     model.load_state_dict(weights)
 
 
+def load_for_inference(path):
+    """predict.py's model: everything from the checkpoint at path (--resume), read and checked as every reader does.
+    The model's name and output stride from its args, the number of classes from the classifier, the classes'
+    names and colours from "classes" when it has them (else Cityscapes'). -> (model in eval mode, classes)."""
+    checkpoint = read("--resume", path)
+    saved = checkpoint.get("args") or {}
+    if "model" not in saved:
+        fail(f"--resume {path} holds weights without the model's name (no args['model']): give a checkpoint "
+             "main.py wrote (best.pth or checkpoint.pth)")
+    classifier = checkpoint["model"].get("classifier.weight")
+    if saved["model"] not in MODEL_NAMES or classifier is None:
+        fail(f"--resume {path} is not a checkpoint of this project's DeepLab (model {saved['model']!r})")
+    num_classes = classifier.shape[0]
+    model = build_model(saved["model"], num_classes, saved.get("output_stride") or DEFAULT_OUTPUT_STRIDE)
+    try:
+        model.load_state_dict(checkpoint["model"])
+    except RuntimeError as error:
+        fail(f"--resume {path} does not fit {saved['model']} ({first_line(error)})")
+    classes = checkpoint.get("classes") or {"names": CLASS_NAMES, "colors": CLASS_COLORS}
+    if len(classes["names"]) != num_classes:
+        fail(f"--resume {path} has {num_classes} classes but names for {len(classes['names'])}")
+    return model.eval(), classes
+
+
 # --- the start ----------------------------------------------------------------------------------------------
 def decide_start(args):
     """Which run this is, decided here alone (no module rewrites --resume):
@@ -144,20 +255,37 @@ def decide_start(args):
       fresh start. With --overwrite: a fresh start (run.sh passes --resume auto every time);
     - --resume PATH: that file (with -e: the model to evaluate, restarted or not).
 
-    -> namespace(path, checkpoint): the checkpoint read (all ranks read it, before anything is written), or
-    None for a fresh start; auto: whether it is the run's own (--resume auto or a restart)."""
+    A fresh start with --weights reads that file too. --model and --output-stride, when not given, become what
+    the checkpoint (or --weights) was trained as: it knows what it holds.
+
+    -> namespace(path, checkpoint, weights): the checkpoint read (all ranks read it, before anything is written),
+    or None for a fresh start; weights: --weights' checkpoint, read, or None; auto: whether it is the run's own
+    (--resume auto or a restart)."""
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0 and not args.evaluate
     explicit = args.resume not in ("", "auto")
     auto = restart or (args.resume == "auto" and not args.overwrite)
-    checkpoint = path = None
+    checkpoint = path = weights = None
     if auto:
         checkpoint, path = _find_in_run(args.output_dir, args.evaluate, say_none=not (restart and explicit))
     if checkpoint is None and explicit:
         checkpoint, path = read("--resume", args.resume), args.resume
-    start = SimpleNamespace(path=path, checkpoint=checkpoint, auto=auto)
+    if checkpoint is None and args.weights:
+        weights = read("--weights", args.weights)
+    start = SimpleNamespace(path=path, checkpoint=checkpoint, weights=weights, auto=auto)
+    _take_model_from(args, checkpoint if checkpoint is not None else weights)
     if checkpoint is not None and not args.evaluate:
         _check_it_can_resume(start, args)
     return start
+
+
+def _take_model_from(args, checkpoint):
+    """--model and --output-stride as given; else the checkpoint's own (main.py saves its args); else the recipe's."""
+    saved = (checkpoint or {}).get("args") or {}
+    if args.model is None:
+        args.model = saved.get("model") if saved.get("model") in MODEL_NAMES else DEFAULT_MODEL
+    if args.output_stride is None:
+        args.output_stride = saved.get("output_stride") if saved.get("output_stride") in (8, 16) \
+            else DEFAULT_OUTPUT_STRIDE
 
 
 def _find_in_run(output_dir, evaluate, say_none=True):
@@ -213,8 +341,8 @@ def start_model(args, classes, start):
         _load_run_model(model, start, args.model, classes)
         if args.weights:  # a restart, a requeued job: the run's own checkpoint holds newer weights
             log(f"--weights {args.weights} not read: the run continues from its checkpoint {start.path}")
-    elif args.weights:
-        load_weights(model, args.weights, args.model, classes)
+    elif start.weights is not None:
+        load_weights(model, start.weights, args.weights, args.model, classes)
     return model
 
 
@@ -231,10 +359,10 @@ def _load_run_model(model, start, model_name, classes):
     _load_fitting(model, start.checkpoint["model"], "--resume", path, model_name)
 
 
-def load_weights(model, path, model_name, classes):
-    """--weights: start from a trained model (fine-tuning). A classifier trained for other classes (another
-    number, or other names) is left as built, freshly initialised, and a line says so; the rest must fit."""
-    checkpoint = read("--weights", path)
+def load_weights(model, checkpoint, path, model_name, classes):
+    """--weights (checkpoint: the file at path, read): start from a trained model (fine-tuning). A classifier
+    trained for other classes (another number, or other names) is left as built, freshly initialised, and a line
+    says so; the rest must fit."""
     _check_model_name(checkpoint, "--weights", path, model_name)
     weights, own = dict(checkpoint["model"]), model.state_dict()
     theirs = classes_of(checkpoint)
@@ -258,22 +386,30 @@ def resume_training(start, optimizer, scaler, args, world_size):
     checkpoint, start.checkpoint = start.checkpoint, None  # not kept for the whole run: a model and more per rank
     if checkpoint is None or args.evaluate:  # -e: the model's weights are all it needs
         return _same_on_every_rank(position)
+    for key in ("epoch", "step", "best_miou", "epoch_loss_sum"):
+        setattr(position, key, checkpoint.get(key, getattr(position, key)))
+    if position.epoch >= args.epochs:  # finished: main.py says there is nothing to train
+        return _same_on_every_rank(position)
     if args.start_epoch:  # --resume auto (run.sh, a restart): the checkpoint wins, and that is said
         log(f"note: --start-epoch {args.start_epoch} is ignored: {start.path} says where to continue")
-    where = f"epoch {checkpoint['epoch']}" + (f" step {checkpoint['step']}" if checkpoint.get("step") else "")
-    log(f"resuming from {start.path} at {where}, best mIoU {checkpoint.get('best_miou', float('nan')):.4f}")
+    where = (f"epoch {position.epoch} after step {position.step}" if position.step else
+             f"the start of epoch {position.epoch}")
+    log(f"resuming from {start.path} at {where} (epochs counted from 0), best mIoU "
+        f"{checkpoint.get('best_miou', float('nan')):.4f}")
     optimizer.load_state_dict(checkpoint["optimizer"])
     if checkpoint["scaler"] and scaler.is_enabled():  # empty when saved without --amp fp16
         scaler.load_state_dict(checkpoint["scaler"])
-    for key in ("epoch", "step", "best_miou", "epoch_loss_sum"):
-        setattr(position, key, checkpoint.get(key, getattr(position, key)))
-    before = (checkpoint["world_size"], checkpoint["batch_size"])
-    if before != (world_size, args.batch_size):
-        # Another order of images: finish the epoch from the same number of images seen.
-        position.step = position.step * before[0] * before[1] // (world_size * args.batch_size)
-        log(f"note: the checkpoint was trained with {before[0]} process(es) x {before[1]} images; this run has "
-            f"{world_size} x {args.batch_size}. It continues at the same epoch and learning-rate position, but "
-            "not bitwise as an uninterrupted run would")
+    before = (checkpoint["world_size"], checkpoint["batch_size"], checkpoint.get("accum_steps", 1))
+    now = (world_size, args.batch_size, args.accum_steps)
+    if math.prod(before) != math.prod(now):
+        # Another global batch: another number of optimizer steps an epoch. Finish the epoch from the same number
+        # of images seen. (The same global batch in another layout, -b x processes x --accum-steps, sees the same
+        # images up to here: its steps are the same; only how they are split differs.)
+        position.step = position.step * math.prod(before) // math.prod(now)
+        log(f"note: the checkpoint was trained with a global batch of {math.prod(before)} ({before[0]} process(es) "
+            f"x -b {before[1]} x --accum-steps {before[2]}); this run's is {math.prod(now)} ({now[0]} x {now[1]} x "
+            f"{now[2]}). It continues at the same epoch and learning-rate position, but not bitwise as an "
+            "uninterrupted run would")
     return _same_on_every_rank(position)
 
 

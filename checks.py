@@ -4,6 +4,7 @@ setting that main.py and predict.py share.
     parser.add_argument("-b", type=checks.at_least(1))   # argparse: its usage line and one error line
     checks.add_amp_argument(parser)                      # --amp [bf16|fp16], in both programs
     crop_size = checks.check_args(args, use_cuda)        # what several flags tell together
+    checks.check_model_fits(args, crop_size)             # again once --output-stride is known (a checkpoint's)
     autocast = checks.autocast(args, use_cuda)           # --amp's context; fp16 needs CUDA
 
 Each mistake ends in one line that names it and says what to do (paths.fail), before a process group,
@@ -84,12 +85,6 @@ def check_args(args, use_cuda):
     crop_size = args.crop_size * 2 if len(args.crop_size) == 1 else args.crop_size
     if len(crop_size) != 2 or min(crop_size) < 8:
         fail(f"--crop-size {' '.join(map(str, args.crop_size))}: give one or two numbers of at least 8")
-    # The deepest feature map is the crop over the output stride. With one image and one value per channel
-    # there, BatchNorm cannot compute batch statistics (ASPP's pooling branch is built for this; the rest not).
-    deepest = math.ceil(crop_size[0] / args.output_stride) * math.ceil(crop_size[1] / args.output_stride)
-    if args.batch_size * deepest < 2:
-        fail(f"--crop-size {' '.join(map(str, args.crop_size))} with -b {args.batch_size}: the deepest feature map "
-             f"is 1x1 for one image, too little for BatchNorm; use a crop of at least {2 * args.output_stride} or -b 2")
     if args.scale_range[0] > args.scale_range[1]:
         fail(f"--scale-range {args.scale_range[0]:g} {args.scale_range[1]:g}: the first is the smallest scale")
     if use_cuda and not args.check_only and args.local_rank >= torch.cuda.device_count():
@@ -115,5 +110,19 @@ def check_args(args, use_cuda):
             importlib.import_module("torch.utils.tensorboard")  # optional: not in requirements.txt
         except ImportError:
             fail("--tensorboard needs TensorBoard, which is not installed: pip install tensorboard")
+    check_model_fits(args, crop_size)
     paths.check_run_folders(args)  # --output-dir, --save-predictions, --cache-dir: not files, not in the data
     return crop_size
+
+
+def check_model_fits(args, crop_size):
+    """The crop holds enough for BatchNorm: with the flags (check_args), and again once --output-stride is known
+    (given, or the checkpoint's). The deepest feature map is the crop over the output stride; with one image and one value per
+    channel there, BatchNorm cannot compute batch statistics (ASPP's pooling branch is built for this; the rest
+    not)."""
+    # Not known yet (a checkpoint's): MobileNetV3's one stride, or the ResNets' smaller; checked again once known.
+    stride = args.output_stride or (16 if args.model and "mobilenet" in args.model else 8)
+    deepest = math.ceil(crop_size[0] / stride) * math.ceil(crop_size[1] / stride)
+    if not args.evaluate and args.batch_size * deepest < 2:
+        fail(f"--crop-size {' '.join(map(str, args.crop_size))} with -b {args.batch_size}: the deepest feature map "
+             f"is 1x1 for one image, too little for BatchNorm; use a crop of at least {2 * stride} or -b 2")

@@ -535,11 +535,13 @@ def open_datasets(args, crop_size, world_size):
         in_all = " in all (NPROC x NNODES)" if under_run_sh else ""
         fail(f"{world_size} processes but only {len(val_set)} val images: use at most {len(val_set)} processes{in_all}")
     share = math.ceil(len(train_set) / world_size)  # DistributedSampler's, padded
-    if not args.evaluate and share < args.batch_size:
-        # run.sh chooses -b itself (16 / processes): the user sets it after ./run.sh.
+    accum_steps = getattr(args, "accum_steps", 1)
+    if not args.evaluate and share < args.batch_size * accum_steps:  # not one optimizer step an epoch
+        # run.sh chooses -b (and --accum-steps) itself: the user sets them after ./run.sh.
         smaller = f"./run.sh -b {share}" if under_run_sh else f"--batch-size {share}"
-        fail(f"--batch-size {args.batch_size} is more than a process's share of the {len(train_set)} training "
-             f"images ({share} with {world_size} process(es)): give {smaller} or less")
+        what = f"--batch-size {args.batch_size}" + (f" x --accum-steps {accum_steps}" if accum_steps > 1 else "")
+        fail(f"{what} is more than a process's share of the {len(train_set)} training images ({share} with "
+             f"{world_size} process(es)): give {smaller} or less" + (" with --accum-steps 1" if accum_steps > 1 else ""))
     return train_set, val_set
 
 

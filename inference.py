@@ -1,5 +1,6 @@
 """Better numbers from the same model at test time: multi-scale, flip, sliding window. Used by main.py's -e
-and by predict.py; the evaluation after each training epoch stays single-scale (it only ranks epochs).
+and by predict.py. The evaluation after each training epoch takes a sliding window only (full-resolution
+images that do not fit in a GPU's memory), never scales or flips (it only ranks epochs).
 
     inference.add_arguments(parser)            # --eval-scales, --eval-flip, --eval-crop, --eval-stride
     mode = inference.read_mode(args)           # None: plain, one forward of the whole image
@@ -7,8 +8,11 @@ and by predict.py; the evaluation after each training epoch stays single-scale (
 
 Every view (each scale, flipped or not) gives softmax probabilities at the input's resolution, and they are
 averaged. A sliding window (mmsegmentation's "slide" mode: crop 769, stride 513 on Cityscapes) runs the
-model on overlapping crops of each view and averages the probabilities where crops overlap. One scale of
-1.0 without flip, or a window as large as the image, gives the plain evaluation's predictions.
+model on overlapping crops of each view and averages the probabilities where crops overlap. A single view
+(one scale, no flip, one window) is scored by its logits, as the plain evaluation is: argmax of the softmax
+is argmax of the logits only in exact arithmetic, and softmax's rounding can make two near-equal logits
+equal probabilities. So one scale of 1.0 without flip, or a window as large as the image, gives exactly
+the plain evaluation's predictions.
 """
 import math
 
@@ -41,10 +45,10 @@ def _pair(flag, values):
     fail(f"{flag} {' '.join(map(str, values))}: give one number (square) or two (height width)")
 
 
-def read_mode(args, applies=True):
+def read_mode(args, training=False):
     """The --eval-* flags, checked: None for the plain evaluation, else {"scales", "flip", "crop", "stride"}
-    (crop and stride as (height, width) or None). applies=False: main.py is training, where they have no
-    place; giving them is a mistake, said in one line."""
+    (crop and stride as (height, width) or None). training: main.py evaluates after each epoch, where a window
+    has its place (memory) and scales and flips do not; giving them is a mistake, said in one line."""
     crop, stride = _pair("--eval-crop", args.eval_crop), _pair("--eval-stride", args.eval_stride)
     if stride and not crop:
         fail("--eval-stride without --eval-crop: give the window's size as well")
@@ -55,9 +59,9 @@ def read_mode(args, applies=True):
              "windows would never be seen")
     if args.eval_scales is None and not args.eval_flip and crop is None:
         return None
-    if not applies:
-        fail("--eval-scales, --eval-flip and --eval-crop are for -e (evaluating a checkpoint); the evaluation "
-             "after each training epoch stays single-scale")
+    if training and (args.eval_scales is not None or args.eval_flip):
+        fail("--eval-scales and --eval-flip are for -e (evaluating a checkpoint); the evaluation after each training "
+             "epoch stays single-scale (--eval-crop, a sliding window, is taken)")
     return {"scales": list(args.eval_scales or [1.0]), "flip": args.eval_flip, "crop": crop, "stride": stride}
 
 
@@ -98,10 +102,18 @@ def slide(model, images, crop, stride):
     return sums / counts
 
 
+def _one_view(mode, size):
+    """Whether mode is a single forward of the whole image at its size: one scale of 1, no flip, and no window or
+    one as large as the image."""
+    whole = mode["crop"] is None or (mode["crop"][0] >= size[0] and mode["crop"][1] >= size[1])
+    return mode["scales"] == [1.0] and not mode["flip"] and whole
+
+
 def predict(model, images, mode=None):
     """images: normalised float (N, 3, H, W). -> float (N, C, H, W) whose argmax over C is the prediction: the
-    logits for the plain evaluation (mode None), else the softmax probabilities averaged over every view."""
-    if mode is None:
+    logits for the plain evaluation (mode None, or a mode of one view of the whole image), else the softmax
+    probabilities averaged over every view."""
+    if mode is None or _one_view(mode, images.shape[-2:]):
         return model(images)
     height, width = images.shape[-2:]
     total, views = 0, 0

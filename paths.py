@@ -8,11 +8,16 @@ dataset.py, synthetic.py, checkpoints.py, main.py and predict.py all use it.
     paths.check_file("--export", path, reads=[("--resume", ckpt)], replaceable=is_export)
     paths.move_aside(out, RUN_FILES, "replaced")              # --overwrite: the old run put aside, not deleted
     paths.write_folder(path, write)                           # a generated data set: whole, or not at all
+    paths.hold_output(args)                                   # one folder, one run: others are refused
+    paths.release_output()                                    # at the end of the run (recovery.guard)
 
 The error types live here, the lowest module, so that every module can raise them; recovery.guard says them.
 """
+import fcntl
+import json
 import os
 import shutil
+import socket
 import time
 
 
@@ -227,9 +232,10 @@ def replacing(args, start):
 
 def make_run_outputs(args, start):
     """Rank 0, after every check, before the process group (the other ranks wait for it there): the folders made
-    and probed; with --overwrite, a run already there moved into a folder beside it (nothing deleted), so the new
-    run's files and pictures are its own."""
+    and probed, --output-dir held (when it was new); with --overwrite, a run already there moved into a folder
+    inside it (nothing deleted), so the new run's files and pictures are its own."""
     make_folder("--output-dir", args.output_dir)
+    hold_output(args)
     if replacing(args, start):
         moved = move_aside(args.output_dir, RUN_FILES, "replaced")
         if moved:
@@ -239,3 +245,109 @@ def make_run_outputs(args, start):
         path = getattr(args, flag[2:].replace("-", "_"))
         if path is not None:
             make_folder(flag, path)
+
+
+# --- one folder, one run ------------------------------------------------------------------------------------------
+HOLD = ".held"  # in --output-dir: an advisory lock (flock), and who holds it
+_hold = {"fd": None, "path": None}
+
+
+class Held(UserError):
+    """--output-dir is held by another run: said in one line, and recorded nowhere inside that folder."""
+
+
+def _holder(path):
+    """The holder's record in the lock file at path ({"host", "pid", "since", ...}), or None."""
+    try:
+        with open(path) as f:
+            return json.loads(f.read() or "null")
+    except (OSError, ValueError):
+        return None
+
+
+def _refuse(args, holder):
+    who = (f"host {holder.get('host')}, process {holder.get('pid')}, since {holder.get('since')}" if holder else
+           "a process that has not said who it is")
+    out = args.output_dir
+    raise Held(f"{named('--output-dir')} {out} is in use by another run ({who}): wait for it to end, or give another "
+               f"{named('--output-dir')}" + (" (-e writes eval.json there)" if args.evaluate else ""))
+
+
+def hold_output(args):
+    """One folder, one run: global rank 0 of a run (training or -e) holds --output-dir for its whole life through an
+    advisory lock (flock) on OUTPUT_DIR/.held, and writes who it is there. Another run that would write there is
+    refused in one line naming the holder. The kernel lets go of the lock when its process ends, however it ends
+    (a kill -9; on a network filesystem, a lost node after the server's lease), so a dead holder never blocks the
+    next run, which says that it takes over. --check-only only looks (run.sh's preflight refuses before torchrun
+    starts). A folder that does not exist yet is held when it is made (make_run_outputs)."""
+    if int(os.environ.get("RANK", 0)) != 0 or _hold["fd"] is not None:
+        return
+    path = os.path.join(args.output_dir, HOLD)
+    if args.check_only:
+        try:
+            fd = os.open(path, os.O_RDWR if os.access(path, os.W_OK) else os.O_RDONLY)
+        except OSError:
+            return  # no lock file: no holder (nothing is written to find out)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            _refuse(args, _holder(path))
+        except OSError:
+            pass  # no locks on this filesystem: the run says so when it starts
+        finally:
+            os.close(fd)  # a probe's lock ends with its descriptor
+        return
+    if not os.path.isdir(args.output_dir):
+        return
+    while True:
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as error:
+            fail(f"{named('--output-dir')} {args.output_dir} cannot be written ({error.strerror or error}): choose a "
+                 "folder you can write to")
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            _refuse(args, _holder(path))
+        except OSError as error:  # a filesystem without locks (Lustre mounted with noflock, some FUSE ones)
+            os.close(fd)
+            print(f"note: {args.output_dir} cannot be locked ({error.strerror or error}): nothing keeps another run "
+                  "from writing there at the same time (docs/troubleshooting.md, one folder, one run)", flush=True)
+            return
+        # The holder before removes the file as it lets go: this one must be the file the path names now.
+        try:
+            if os.fstat(fd).st_ino == os.stat(path).st_ino:
+                break
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+    before = _holder(path)
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    if before and not (run_id and before.get("run_id") == run_id):  # (a torchrun restart of this job: its own)
+        print(f"note: {args.output_dir} was held by host {before.get('host')}, process {before.get('pid')} (since "
+              f"{before.get('since')}), which ended without letting go (killed, or its machine lost): taken over",
+              flush=True)
+    record = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.strftime("%Y-%m-%d %H:%M:%S"),
+              "run_id": run_id}
+    _hold.update(fd=fd, path=path)  # held: let go at the end (release_output), also if the line below fails
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(record).encode(), 0)
+    except OSError as error:
+        fail(f"{named('--output-dir')} {args.output_dir} cannot be written ({error.strerror or error}): free space "
+             "there, or choose another folder")
+
+
+def release_output():
+    """The end of a run that held --output-dir: the lock file removed (while still held, so that no other run
+    locks a file about to go), then let go."""
+    fd, path = _hold["fd"], _hold["path"]
+    if fd is None:
+        return
+    _hold.update(fd=None, path=None)
+    try:
+        os.remove(path)
+    except OSError:
+        pass  # gone (the folder moved), or a full, read-only disk: the next holder reads a stale record, no more
+    os.close(fd)

@@ -26,6 +26,7 @@ could not be read.
 import argparse
 import concurrent.futures
 import glob
+import importlib.util
 import os
 import sys
 import time
@@ -43,9 +44,8 @@ import paths
 import records
 import recovery
 from checks import at_least, fraction
-from dataset import CLASS_COLORS, CLASS_NAMES, TRAINID_TO_ID, default_workers, normalize
+from dataset import CLASS_NAMES, TRAINID_TO_ID, default_workers, normalize
 from images import read_image
-from models import MODEL_NAMES, build_model
 from paths import fail
 
 EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".tif", ".tiff")
@@ -57,43 +57,26 @@ def get_args_parser():
                                      allow_abbrev=False)
     parser.add_argument("inputs", nargs="*", metavar="INPUT", help="image files, folders or glob patterns")
     parser.add_argument("--resume", required=True, metavar="PATH", help="a checkpoint main.py wrote (best.pth)")
-    parser.add_argument("--output-dir", default="predictions")
-    parser.add_argument("--what", nargs="+", choices=KINDS, default=list(KINDS), help="which outputs to write")
+    parser.add_argument("--output-dir", default="predictions", help="(default: %(default)s)")
+    parser.add_argument("--what", nargs="+", choices=KINDS, default=list(KINDS),
+                        help="which outputs to write (default: all three)")
     parser.add_argument("--format", choices=("trainid", "labelid"), default="trainid",
-                        help="label maps of the model's class indices (Cityscapes': trainIds) or Cityscapes' labelIds")
-    parser.add_argument("--alpha", type=fraction(high_open=False), default=0.5, help="the colours' weight in the overlay")
-    parser.add_argument("-b", "--batch-size", type=at_least(1), default=4, help="images of one size per forward")
+                        help="label maps of the model's class indices (Cityscapes': trainIds) or Cityscapes' labelIds "
+                        "(default: %(default)s)")
+    parser.add_argument("--alpha", type=fraction(high_open=False), default=0.5,
+                        help="the colours' weight in the overlay (default: %(default)s)")
+    parser.add_argument("-b", "--batch-size", type=at_least(1), default=4,
+                        help="images of one size per forward (default: %(default)s)")
     parser.add_argument("-j", "--workers", type=at_least(0), default=None, help="decoding workers per process; 0: "
                         "in the process itself (default: its share of the cores, less one)")
     checks.add_amp_argument(parser)  # --amp [bf16|fp16], as main.py has it (checks.py)
+    parser.add_argument("--dist-timeout", type=checks.positive(7 * 24 * 60), default=5.0, metavar="MINUTES",
+                        help="under torchrun: a rank that waits longer than this for the others ends (default: "
+                        "%(default)s)")
     parser.add_argument("--export", default=None, metavar="FILE.onnx",
                         help="write the model as ONNX (dynamic batch, height, width) instead of predicting")
     inference.add_arguments(parser)
     return parser
-
-
-def load_model(path):
-    """-> (model in eval mode, {"names", "colors"}). Everything from the checkpoint: the model's name and output
-    stride from its args, the number of classes from the classifier, the classes' names and colours from
-    "classes" when it has them (else Cityscapes')."""
-    checkpoint = checkpoints.read("--resume", path)
-    saved = checkpoint.get("args") or {}
-    if "model" not in saved:
-        fail(f"--resume {path} holds weights without the model's name (no args['model']): give a checkpoint "
-             "main.py wrote (best.pth or checkpoint.pth)")
-    classifier = checkpoint["model"].get("classifier.weight")
-    if saved["model"] not in MODEL_NAMES or classifier is None:
-        fail(f"--resume {path} is not a checkpoint of this project's DeepLab (model {saved['model']!r})")
-    num_classes = classifier.shape[0]
-    model = build_model(saved["model"], num_classes, saved.get("output_stride", 16))
-    try:
-        model.load_state_dict(checkpoint["model"])
-    except RuntimeError as error:
-        fail(f"--resume {path} does not fit {saved['model']} ({paths.first_line(error)})")
-    classes = checkpoint.get("classes") or {"names": CLASS_NAMES, "colors": CLASS_COLORS}
-    if len(classes["names"]) != num_classes:
-        fail(f"--resume {path} has {num_classes} classes but names for {len(classes['names'])}")
-    return model.eval(), classes
 
 
 def find_images(inputs, output_dir):
@@ -183,7 +166,7 @@ def is_export(path):
         return False
 
 
-def export_onnx(model, path):
+def export_onnx(model, path, replacing=False):
     """ONNX: input "images", float32 (N, 3, H, W) normalised as in training (ImageNet mean and std); output
     "logits", float32 (N, classes, H, W). Batch, height and width dynamic. Needs onnx and onnxscript
     (requirements-test.txt), which training does not."""
@@ -195,17 +178,22 @@ def export_onnx(model, path):
                           external_data=False, verbose=False)
     except ImportError as error:
         fail(f"--export needs onnx and onnxscript ({error}): pip install -r requirements-test.txt")
-    print(f"wrote {path}: images float32 (N, 3, H, W), ImageNet-normalised -> logits float32 (N, classes, H, W)")
+    print(f"wrote {path}: images float32 (N, 3, H, W), ImageNet-normalised -> logits float32 (N, classes, H, W)"
+          + (" (the earlier export there is replaced)" if replacing else ""))
 
 
 def check_outputs(args, images, label_folder):
-    """No output lands on an input: not on an image (checked by name), not on the checkpoint."""
+    """No output lands on an input: not on an image (checked by name), not on the checkpoint. -> how many files of
+    an earlier prediction these outputs replace (said, not refused: predicting again into one folder is common)."""
     paths.check_folder("--output-dir", args.output_dir, reads=[("--resume", args.resume)])
     inputs = {os.path.realpath(path) for path, _ in images} | {os.path.realpath(args.resume)}
+    replaced = 0
     for _, name in images:
         for path in output_paths(args.output_dir, name, args.what, label_folder).values():
             if os.path.realpath(path) in inputs:
                 fail(f"{path} is an input and would be written over: choose another --output-dir")
+            replaced += os.path.exists(path)
+    return replaced
 
 
 def predict_all(args, model, classes, shard, mode, device, autocast, label_folder):
@@ -273,14 +261,18 @@ def main(args):
     if args.export is not None:
         if args.inputs or mode:
             fail("--export writes the plain model and exits: give it no INPUT and no --eval-* flag")
-        model, _ = load_model(args.resume)
+        missing = [name for name in ("onnx", "onnxscript") if importlib.util.find_spec(name) is None]
+        if missing:  # found before the model is loaded, not after
+            fail(f"--export needs {' and '.join(missing)}, which training does not: pip install -r requirements-test.txt")
         paths.check_file("--export", args.export, reads=[("--resume", args.resume)], replaceable=is_export)
-        export_onnx(model, args.export)
+        replacing = os.path.exists(args.export)
+        model, _ = checkpoints.load_for_inference(args.resume)
+        export_onnx(model, args.export, replacing)
         return
     if not args.inputs:
         fail("no INPUT: name image files, folders or glob patterns (or --export FILE.onnx)")
     autocast = checks.autocast(args, torch.cuda.is_available())
-    model, classes = load_model(args.resume)
+    model, classes = checkpoints.load_for_inference(args.resume)
     cityscapes = list(classes["names"]) == list(CLASS_NAMES)
     if args.format == "labelid" and not cityscapes:
         fail("--format labelid writes Cityscapes' labelIds, but this model's classes are not Cityscapes': use "
@@ -288,14 +280,17 @@ def main(args):
     # The label maps' folder: Cityscapes' labelIds or trainIds, or the class indices of another model's classes.
     label_folder = "labelIds" if args.format == "labelid" else "trainIds" if cityscapes else "labels"
     images = find_images(args.inputs, args.output_dir)
-    check_outputs(args, images, label_folder)
+    replaced = check_outputs(args, images, label_folder)
     paths.make_folder("--output-dir", args.output_dir)
+    if replaced:
+        recovery.log(f"note: {args.output_dir} holds an earlier prediction: {replaced} of its files are replaced")
 
     # Under torchrun: each rank predicts every world_size-th image of the sorted list, so each image
     # exactly once. The only collective is the count at the end: gloo, on CPU tensors, GPUs or not.
     distributed = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     if distributed:
-        dist.init_process_group("gloo")
+        with recovery.waiting_for_peers(args.dist_timeout):
+            dist.init_process_group("gloo", timeout=timedelta(minutes=args.dist_timeout))
     rank, world_size = recovery.get_rank(), recovery.get_world_size()
     device = torch.device("cpu")
     if torch.cuda.is_available():

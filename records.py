@@ -7,6 +7,8 @@ curves. main.py decides what to record; this module writes it, and turns a faile
     writer = records.draw(writer, iteration, {"train/loss": 0.3})
     problem = records.write_epoch(args, state, is_best, sample, record, writer)   # None, or why it failed
     records.write_eval(args, result, sample, colors)           # -e
+    records.say_where_things_are(args, best_miou)              # the end of training: the files, and what each is
+    records.say_nothing_to_train(args, checkpoint_path)        # a run that had finished
 """
 import contextlib
 import json
@@ -108,6 +110,7 @@ def write_epoch(args, state, is_best, sample, record, writer=None, estimate=Fals
                     writer.add_scalar(name, value, record["iteration"])
             writer.add_image("val/image_truth_prediction", picture.numpy(), record["iteration"], dataformats="HWC")
             writer.flush()
+        state = checkpoints.seal(state)  # its digest, computed once for both files
         if is_best:
             checkpoints.save(state, os.path.join(args.output_dir, "best.pth"))
         checkpoints.save(state, checkpoint_path, keep_previous=True)
@@ -125,12 +128,48 @@ def write_epoch(args, state, is_best, sample, record, writer=None, estimate=Fals
 
 
 def write_eval(args, result, sample, colors):
-    """-e: eval.json and the picture of the first val image."""
-    with open(os.path.join(args.output_dir, "eval.json"), "w") as f:
-        json.dump(result, f, indent=1)
-    save_picture(os.path.join(args.output_dir, "vis", "eval.png"), sample, colors)
-    log(f"wrote {os.path.join(args.output_dir, 'eval.json')}"
-        + (f" and predictions to {args.save_predictions}" if args.save_predictions else ""))
+    """-e: eval.json and the picture of the first val image. An earlier eval.json is replaced with a word that
+    says what it held. A write that fails (a full disk) ends in one line."""
+    path = os.path.join(args.output_dir, "eval.json")
+    earlier = ""
+    try:
+        with open(path) as f:
+            old = json.load(f)
+        earlier = f"; it replaces the earlier one (mIoU {old['miou']:.4f} of {old.get('checkpoint')}, {old.get('mode')})"
+    except (OSError, ValueError, KeyError, TypeError):
+        pass  # none, or not one of ours: nothing to say of it
+    try:
+        checkpoints.write_atomically(path, (json.dumps(result, indent=1) + "\n").encode())
+        save_picture(os.path.join(args.output_dir, "vis", "eval.png"), sample, colors)
+    except OSError as error:
+        fail(f"cannot write in {args.output_dir} ({error.strerror or error}): free space there, or give -e another "
+             f"{paths.named('--output-dir')}", this_rank=True)
+    log(f"wrote {path}" + (f" and predictions to {args.save_predictions}" if args.save_predictions else "") + earlier)
+
+
+def say_where_things_are(args, best_miou):
+    """The end of training: the best mIoU, then each file the run wrote and what it is (the README shows this)."""
+    out = args.output_dir
+    files = [("checkpoint.pth", "the last epoch: model, optimizer, GradScaler, position; run again to go on"),
+             ("checkpoint.prev.pth", "the one before it, kept in case checkpoint.pth is damaged"),
+             ("best.pth", "the epoch with the best val mIoU: for -e, predict.py, --weights"),
+             ("metrics.jsonl", "one line per epoch: loss, lr, mIoU, IoU per class, images/s, data wait, memory"),
+             ("vis/", "epoch_NNN.png: image | ground truth | prediction"),
+             ("tensorboard/", f"the curves: tensorboard --logdir {out}")]
+    found = [(os.path.join(out, name), what) for name, what in files if os.path.exists(os.path.join(out, name))]
+    if args.save_predictions:
+        found.append((args.save_predictions.rstrip("/") + "/", "the last epoch's val predictions"))
+    width = max(len(path) for path, _ in found)
+    best = f"{best_miou:.4f}" if math.isfinite(best_miou) else "undefined (no val pixel of any class)"
+    log(f"done: best mIoU {best}. Where things are:\n" + "\n".join(f"  {path:<{width}}  {what}" for path, what in found))
+
+
+def say_nothing_to_train(args, checkpoint_path):
+    """A run that had finished, started again (a requeued job, run.sh's second call): not a failure."""
+    log(f"nothing to train: {checkpoint_path} has finished all {args.epochs} epochs of --epochs {args.epochs}; raise "
+        "--epochs to train longer, or evaluate it with -e"
+        + ("; --tensorboard draws the curves of a run as it trains: give it to a new run, in another "
+           f"{paths.named('--output-dir')}" if args.tensorboard else ""))
 
 
 def close_writer(writer):

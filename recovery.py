@@ -1,9 +1,10 @@
 """Surviving faults, out of main.py's way: who speaks, the one-line error channel, signals, a lost peer, and the
 ranks' agreement to stop.
 
-    @recovery.guarded("main.py", folder="output_dir")   # a mistake -> one line, a lost peer -> which rank, exit 1
-    def main(args): ...
+    @recovery.guarded("main.py", folder="output_dir")   # a mistake, or out of memory -> one line; a lost peer ->
+    def main(args): ...                                  # which rank; exit 1
     recovery.install_signal_handlers()        # SIGTERM / Ctrl-C: finish the step, save, exit 0
+    with recovery.waiting_for_peers(minutes):    # init_process_group: says what it waits for, if it waits
     recovery.start_heartbeat()                # lets a rank name the peer it lost
     vote = recovery.StopVote(device)          # each step: a signal or a NaN on any rank stops all, together
     recovery.stop_in_epoch(...), recovery.stop_after_epoch(...)   # save and stop, or fail, every rank alike
@@ -33,7 +34,7 @@ import paths
 from paths import BadInput, UserError, fail
 
 # This module's state, in one place: set by main.py and the signal handler, read by the heartbeat.
-_state = SimpleNamespace(quiet=False, signal=None, signal_time=0.0, step=0, output_dir=None,
+_state = SimpleNamespace(quiet=False, signal=None, signal_time=0.0, step=0, output_dir=None, args=None,
                          started=time.time(), heartbeat=None, program="main.py", handlers=None)
 
 
@@ -72,41 +73,57 @@ def _one_line(error):
 
 # --- the run, and how it ends ---------------------------------------------------------------------------
 @contextmanager
-def guard(program, output_dir=None):
+def guard(program, output_dir=None, args=None):
     """Around a program's run: every way it can end becomes exit 0, or one line and exit 1.
 
     - UserError (fail()): rank 0 prints it when every rank found it; the rank that met it when only it did.
     - BadInput raised while training (a damaged file whose header was fine): the rank that read it prints
       it, whichever that is, and records it so that the peers waiting for this rank stay quiet and a
       torchrun restart does not repeat it.
+    - torch.OutOfMemoryError: the rank that ran out says where (a training step, the evaluation, a prediction),
+      with what (the batch, the crop, the precision), the device's memory, and what to change. It is not
+      retried: the same step would run out again.
     - A failed or timed-out collective: each waiting rank names the rank at fault from the heartbeats.
     Anything else is a bug, not a mistake: its traceback is kept. output_dir: where a mistake is recorded for
-    the peers and restarts, and where the last checkpoint is (main.py's), or None (predict.py).
+    the peers and restarts, and where the last checkpoint is (main.py's), or None (predict.py). args: the
+    program's flags, for the out-of-memory line.
     """
     # A run starts with nothing said and no signal seen (a second run in one process too: the tests').
     _state.program, _state.output_dir, _state.quiet, _state.signal = program, output_dir, False, None
+    _state.args = args
     _state.started = time.time()
     _exit_if_stopped_before()
     try:
         yield
     except UserError as error:
+        if isinstance(error, paths.Held):  # another run's folder: nothing of this run is written there
+            _state.output_dir = None
         if error.this_rank and get_world_size() > 1:
             _stop(f"rank {get_rank()}: {error}", say_it=True)
         _stop(str(error), say_it=is_main_process())
     except BadInput as error:
         prefix = f"rank {get_rank()}: " if get_world_size() > 1 else ""
         _stop(prefix + _one_line(error), say_it=True)
+    except torch.OutOfMemoryError as error:
+        prefix = f"rank {get_rank()}: " if get_world_size() > 1 else ""
+        _stop(prefix + out_of_memory(error), say_it=True)
     except Exception as error:
         if not (dist.is_initialized() and is_collective_failure(error)):
             raise
+        paths.release_output()
         if _peer_stopped_on_a_mistake():
             os._exit(1)  # the rank that met it said why; not sys.exit: a broken process group can hang
-        last = (f" The last checkpoint: {os.path.join(output_dir, 'checkpoint.pth')}; {paths.resume_advice()}"
-                if output_dir else "")
+        checkpoint = os.path.join(output_dir, "checkpoint.pth") if output_dir else None
+        last = ""
+        if checkpoint and os.path.isfile(checkpoint):
+            last = f" The last checkpoint: {checkpoint}; {paths.resume_advice()}"
+        elif checkpoint:
+            last = " No checkpoint was written yet: run the same command again to start over"
         print(f"{program}: error: rank {get_rank()}: a collective failed or waited more than --dist-timeout "
               f"({_one_line(error)}). {describe_peers()}.{last}", file=sys.stderr, flush=True)
         os._exit(1)
     finally:
+        paths.release_output()  # --output-dir free for the next run (paths.hold_output)
         if _state.handlers is not None:  # the signals go back to what they did before this run
             for signum, handler in _state.handlers.items():
                 signal.signal(signum, handler)
@@ -114,14 +131,74 @@ def guard(program, output_dir=None):
 
 
 def guarded(program, folder=None):
-    """A decorator: main(args) run inside guard(program, args.<folder>)."""
+    """A decorator: main(args) run inside guard(program, args.<folder>, args)."""
     def decorate(main):
         @functools.wraps(main)
         def run(args):
-            with guard(program, getattr(args, folder) if folder else None):
+            with guard(program, getattr(args, folder) if folder else None, args):
                 return main(args)
         return run
     return decorate
+
+
+# --- out of memory -----------------------------------------------------------------------------------------
+_PHASES = {"train_one_epoch": "a training step", "evaluate": "the evaluation", "run_batch": "a prediction"}
+
+
+def memory_figures():
+    """(this process's device, its memory in GiB, the peak this process reached in GiB): a GPU's total and peak
+    allocated, or the machine's memory and this process's peak resident set."""
+    if torch.cuda.is_available():
+        device = torch.cuda.current_device()
+        return (f"GPU {device}", torch.cuda.get_device_properties(device).total_memory / 2**30,
+                torch.cuda.max_memory_allocated(device) / 2**30)
+    import resource
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return "the CPU", total / 2**30, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def _smaller_batch(batch, accum_steps):
+    """-> (-b, --accum-steps) with about half the images per forward and the same global batch, or None at -b 1."""
+    smaller = max((d for d in range(1, batch // 2 + 1) if batch % d == 0), default=None)
+    return None if smaller is None else (smaller, accum_steps * batch // smaller)
+
+
+def out_of_memory(error):
+    """The one line for torch.OutOfMemoryError: what ran out (told by the function it was raised in), with which
+    settings, the device's memory, and what to change, in the flags of the program that ran out."""
+    phase = "setting up"
+    for frame in reversed(traceback.extract_tb(error.__traceback__)):
+        if frame.name in _PHASES and os.path.basename(frame.filename) in ("main.py", "predict.py"):
+            phase = _PHASES[frame.name]
+            break
+    args = _state.args
+    device, total, peak = memory_figures()
+    precision = getattr(args, "amp", None) or "fp32"
+    crop = getattr(args, "eval_crop", None)
+    window = f"in windows of {crop[0]}x{crop[-1]} (--eval-crop)" if crop else "whole, at full resolution"
+    tries = [] if getattr(args, "amp", None) else ["--amp bf16"]
+    if phase == "a training step":
+        height, width = (args.crop_size * 2)[:2]
+        settings = f"-b {args.batch_size} per process x --accum-steps {args.accum_steps}, crop {height}x{width}"
+        smaller = _smaller_batch(args.batch_size, args.accum_steps)
+        if smaller:
+            tries.append(f"-b {smaller[0]} --accum-steps {smaller[1]} (the same global batch)")
+        tries.append("a smaller --crop-size")
+    elif phase == "the evaluation":
+        settings = f"val images {window}, one at a time"
+        tries.append("a smaller --eval-crop" if crop else "a sliding window, --eval-crop 769 (mmsegmentation's)")
+    elif phase == "a prediction":
+        settings = f"-b {args.batch_size} images of one size per forward, {window}"
+        if args.batch_size > 1:
+            tries.append("-b 1")
+        tries.append("a smaller --eval-crop" if crop else "a sliding window, --eval-crop 769")
+    else:
+        settings = "before the first step"
+        tries.append("a smaller model (--model)")
+    under_run_sh = os.environ.get("DEEPLAB_RUN_SH") == "1" and _state.program == "main.py"
+    advice = ", ".join(tries[:-1]) + (", or " if len(tries) > 1 else "") + tries[-1]
+    return (f"out of memory in {phase} ({settings}, {precision}; {device}: {total:.1f} GiB in all, {peak:.1f} GiB at "
+            f"the peak): try {advice}" + (" (after ./run.sh)" if under_run_sh else ""))
 
 
 def is_collective_failure(error):
@@ -172,6 +249,7 @@ def _stop(message, say_it):
                 except OSError:
                     pass  # nowhere to write: restarts may repeat the line, nothing worse
     if dist.is_initialized() and get_world_size() > 1:
+        paths.release_output()
         os._exit(1)  # peers may be inside a collective with us: tearing the process group down can hang
     sys.exit(1)
 
@@ -375,16 +453,83 @@ def stop_in_epoch(why, epoch, step, steps_per_epoch, checkpoint_path, save):
         f"saved {checkpoint_path}. To resume, {paths.resume_advice()}")
 
 
-def stop_after_epoch(problem, device, checkpoint_path):
+def stop_after_epoch(problem, device, checkpoint_path, last=False):
     """After an epoch's files (rank 0 wrote them; problem: why it could not, or None), every rank learns whether
     rank 0 failed to write (all stop with its line, exit 1) and whether a signal came during the evaluation
-    (all stop, exit 0). -> whether to stop."""
+    (all stop, exit 0). last: the epoch was the last one, so there is nothing left to stop. -> whether to stop."""
     flags = torch.tensor([stop_signal() is not None, problem is not None], dtype=torch.float32, device=device)
     if dist.is_initialized():
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
     signal_seen, write_failed = flags.tolist()
     if write_failed:
         fail(problem or "rank 0 could not write this epoch's files")
+    if signal_seen and last:
+        log("a stop was asked for during the last epoch's evaluation: training had finished, nothing is left to stop")
+        return False
     if signal_seen:
         log(f"stopped by signal after an epoch; saved {checkpoint_path}. To resume, {paths.resume_advice()}")
     return bool(signal_seen)
+
+
+# --- waits that say what they wait for ----------------------------------------------------------------------------
+@contextmanager
+def waiting_for_peers(minutes, after_s=5.0, every_s=60.0):
+    """Around init_process_group: when it takes more than after_s seconds (a process that has not started yet, or
+    cannot reach MASTER_ADDR), rank 0 and each node's first process say what they wait for, where, and when it
+    gives up; again every every_s seconds."""
+    rank, local_rank = int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
+    done = threading.Event()
+    where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+    gives_up = time.strftime("%H:%M:%S", time.localtime(time.time() + minutes * 60))
+
+    def say():
+        waited = 0.0
+        while not done.wait(after_s if waited == 0 else every_s):
+            waited = time.time() - started
+            print(f"{_state.program}: rank {rank}: waiting {waited:.0f} s for the {os.environ.get('WORLD_SIZE', '?')} "
+                  f"processes to meet at {where} (the process group); it gives up at {gives_up} (--dist-timeout "
+                  f"{minutes:g} min)", file=sys.stderr, flush=True)
+
+    started = time.time()
+    thread = threading.Thread(target=say, daemon=True, name="waiting")
+    if rank == 0 or local_rank == 0:
+        thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+
+
+def watch_rendezvous(endpoint, run_id, nodes, timeout_s, first_s=5.0, every_s=60.0):
+    """run.sh, beside torchrun on each node of several: until the nodes have met at torchrun's c10d rendezvous,
+    say after first_s seconds and then every every_s how many have joined, where, and when torchrun gives up
+    (--rdzv-conf join_timeout). Reads the rendezvous state from its store with torchrun's own backend class."""
+    import pickle
+    from torch.distributed import TCPStore
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
+    host, port = endpoint.rsplit(":", 1)
+    started = time.time()
+    gives_up = time.strftime("%H:%M:%S", time.localtime(started + float(timeout_s)))
+    say_at, store = started + first_s, None
+    while time.time() < started + float(timeout_s) + 60:
+        joined = None
+        try:
+            if store is None:
+                store = TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=5),
+                                 wait_for_workers=False)
+            found = C10dRendezvousBackend(store, run_id).get_state()
+            if found is not None:
+                state = pickle.loads(found[0])
+                if state.complete:
+                    return  # the nodes have met: torchrun starts the workers
+                joined = len(state.participants)
+        except Exception:  # the host node's torchrun is not there yet (or has gone): try again
+            store = None
+        if time.time() >= say_at:
+            count = (f"{joined} of {nodes} node(s) have joined" if joined is not None else
+                     f"no answer from {endpoint} yet (the node with NODE_RANK=0 hosts it)")
+            print(f"run.sh: waiting {time.time() - started:.0f} s for {nodes} nodes to meet at {endpoint} "
+                  f"(rendezvous {run_id}): {count}; torchrun gives up at {gives_up} (JOIN_TIMEOUT={timeout_s} s)",
+                  flush=True)
+            say_at += every_s
+        time.sleep(1.0)

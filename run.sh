@@ -10,7 +10,7 @@
 #   MAX_RESTARTS=3 ./run.sh                            # torchrun restarts failed workers; they resume
 #
 # With no Cityscapes in DATA it writes a synthetic set once (data/cityscapes_synthetic) and trains a
-# demo sized for a laptop CPU: 2 to 5 minutes on 2 cores.
+# demo sized for a laptop CPU into output/demo: 3 to 5 minutes on 2 cores.
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -23,21 +23,36 @@ need_number() {
 }
 
 DATA=${DATA:-data/cityscapes}
-OUTPUT_DIR=${OUTPUT_DIR:-output}
 NNODES=${NNODES:-1}
 NODE_RANK=${NODE_RANK:-0}
 MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}
 MASTER_PORT=${MASTER_PORT:-29500}
 PYTHON=${PYTHON:-python}
 SYNTHETIC=${SYNTHETIC:-data/cityscapes_synthetic}
-
 MAX_RESTARTS=${MAX_RESTARTS:-3}
-for VAR in NNODES MASTER_PORT; do need_number "$VAR" 1; done
+JOIN_TIMEOUT=${JOIN_TIMEOUT:-600}
+for VAR in NNODES MASTER_PORT JOIN_TIMEOUT; do need_number "$VAR" 1; done
 for VAR in NODE_RANK MAX_RESTARTS; do need_number "$VAR" 0; done
 [ "$NODE_RANK" -lt "$NNODES" ] || fail "NODE_RANK=$NODE_RANK: nodes are numbered 0 to NNODES-1 ($(( NNODES - 1 )))"
 [ "$MASTER_PORT" -le 65535 ] || fail "MASTER_PORT=$MASTER_PORT: a port is at most 65535"
 [ -z "${NPROC:-}" ] || need_number NPROC 1
 
+# The Python steps before training (the synthetic set, the check) run in the background, waited for: a Ctrl-C
+# then reaches run.sh alone (a background process of a script ignores it), which stops the step and says so in
+# one line, instead of Python's traceback from wherever the step was (importing torch, say).
+run_step() {  # run_step WHAT COMMAND...: WHAT names the step in the stop line
+  local what=$1
+  shift
+  "$@" &
+  STEP=$!
+  trap "kill -TERM $STEP 2>/dev/null; wait $STEP 2>/dev/null || true; echo \"run.sh: stopped while $what; nothing was started. Run the same ./run.sh line again to begin\" >&2; exit 130" INT TERM
+  STATUS=0
+  wait "$STEP" || STATUS=$?
+  trap - INT TERM
+  return "$STATUS"
+}
+
+CORES=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)  # (nproc alone counts OMP_NUM_THREADS, not cores)
 if [ "${CUDA_VISIBLE_DEVICES-unset}" = "" ]; then
   NGPU=0  # GPUs hidden on purpose: no need to start Python to count them
 else
@@ -49,27 +64,35 @@ if [ "$NGPU" -gt 0 ]; then
 else
   NPROC=${NPROC:-2}
   # One process per core at most: more threads than cores make every process slower.
-  THREADS=$(( $(nproc) / NPROC )); [ "$THREADS" -ge 1 ] || THREADS=1
+  THREADS=$(( CORES / NPROC )); [ "$THREADS" -ge 1 ] || THREADS=1
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$THREADS}
 fi
+WORLD=$(( NPROC * NNODES ))
 
 # Real data: Cityscapes, or your own (images/, masks/ and classes.json, docs/your-data.md; main.py
 # names what is missing there).
 if compgen -G "$DATA/leftImg8bit/train/*/*_leftImg8bit.png" >/dev/null || [ -f "$DATA/classes.json" ] \
     || [ -d "$DATA/images" ]; then
+  OUTPUT_DIR=${OUTPUT_DIR:-output}
   # main.py's defaults are the recipe (VainF/DeepLabV3Plus-Pytorch's: DeepLabV3+ ResNet-101, output stride 16,
-  # crop 768, global batch 16, lr 0.1 with the backbone at 0.01, 30k iterations, ImageNet backbone).
-  # run.sh keeps the global batch at 16 whatever the number of processes.
-  WORLD=$(( NPROC * NNODES ))
+  # crop 768, global batch 16, lr 0.1 with the backbone at 0.01, 30k iterations, ImageNet backbone). run.sh
+  # keeps the global batch at 16 with at most the two-GPU layout's 8 images per process and forward (about
+  # 9 GiB with --amp, 15 in fp32: docs/memory.md): one process accumulates two batches of 8 (--accum-steps 2),
+  # two take 8 each, four 4, eight 2.
   BATCH=$(( 16 / WORLD )); [ "$BATCH" -ge 1 ] || BATCH=1
-  if [ $(( BATCH * WORLD )) -ne 16 ]; then
-    echo "run.sh: note: global batch is $(( BATCH * WORLD )), not the recipe's 16 ($WORLD processes)"
+  [ "$BATCH" -le 8 ] || BATCH=8
+  ACCUM=$(( 16 / (BATCH * WORLD) )); [ "$ACCUM" -ge 1 ] || ACCUM=1
+  if [ $(( BATCH * WORLD * ACCUM )) -ne 16 ]; then
+    echo "run.sh: note: global batch is $(( BATCH * WORLD * ACCUM )), not the recipe's 16 ($WORLD processes)"
   fi
-  ARGS=(-b "$BATCH")
+  ARGS=(-b "$BATCH" --accum-steps "$ACCUM")
 else
-  echo "run.sh: no Cityscapes in $DATA (docs/cityscapes.md says how to get it); training a demo on a synthetic set"
+  # The demo writes into a folder of its own, so that a run on real data later does not meet it in output/.
+  OUTPUT_DIR=${OUTPUT_DIR:-output/demo}
+  echo "run.sh: no Cityscapes in $DATA (docs/cityscapes.md says how to get it): the demo, on a synthetic set, in $OUTPUT_DIR"
   if [ ! -d "$SYNTHETIC" ]; then  # written whole or not at all (synthetic.py: a temporary folder, renamed)
-    "$PYTHON" synthetic.py "$SYNTHETIC" --num-train 300 --num-val 60 --size 192 96 -j "$(nproc)"
+    run_step "writing the synthetic set $SYNTHETIC (it appears whole or not at all)" \
+      "$PYTHON" synthetic.py "$SYNTHETIC" --num-train 300 --num-val 60 --num-test 20 --size 192 96 -j "$CORES"
   fi
   DATA=$SYNTHETIC
   # Sized to end within 5 minutes on a slow 2-core CPU: 7 epochs of 96x96 crops, from scratch, without
@@ -82,7 +105,8 @@ if [ "$NNODES" -gt 1 ]; then
   # torchrun's c10d rendezvous: the node at MASTER_ADDR hosts it at MASTER_PORT; every node runs this same
   # line. OUTPUT_DIR must be on a filesystem all nodes share: rank 0 writes, every rank reads to resume.
   LAUNCH=(--nnodes "$NNODES" --node-rank "$NODE_RANK" --rdzv-backend c10d
-          --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv-id "${RDZV_ID:-deeplab}")
+          --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv-id "${RDZV_ID:-deeplab}"
+          --rdzv-conf "join_timeout=$JOIN_TIMEOUT")
 else
   LAUNCH=(--standalone)  # a free port on this machine, no rendezvous server to set up
 fi
@@ -92,7 +116,7 @@ MAIN=(main.py --data "$DATA" --output-dir "$OUTPUT_DIR" --resume auto "${ARGS[@]
 
 # Check the arguments, the data and any --resume in one plain process first: a mistake ends here with one
 # line, instead of in every worker, in torchrun's report, and again in each of torchrun's restarts.
-"$PYTHON" "${MAIN[@]}" --check-only "$(( NPROC * NNODES ))" || exit $?
+run_step "checking the arguments and the data" "$PYTHON" "${MAIN[@]}" --check-only "$WORLD" || exit $?
 
 echo "run.sh: $NPROC process(es) on this node, $NNODES node(s), data $DATA, output $OUTPUT_DIR"
 # torchrun restarts all workers when one fails (MAX_RESTARTS times); main.py then resumes by itself from
@@ -107,18 +131,29 @@ export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
 STOP_DIR=$(mktemp -d "${TMPDIR:-/tmp}/deeplab-stop.XXXXXX") \
   || fail "TMPDIR=${TMPDIR:-/tmp} cannot be written: set TMPDIR to a folder of this machine that can"
 export DEEPLAB_STOP_FILE="$STOP_DIR/signal"
-trap 'rm -rf "$STOP_DIR"' EXIT
+WATCHER=
+trap 'rm -rf "$STOP_DIR"; [ -z "$WATCHER" ] || kill "$WATCHER" 2>/dev/null || true' EXIT
 setsid "$PYTHON" -m torch.distributed.run "${LAUNCH[@]}" --nproc_per_node "$NPROC" \
   --max-restarts "$MAX_RESTARTS" "${MAIN[@]}" &
 LAUNCHER=$!
+if [ "$NNODES" -gt 1 ]; then
+  # Waiting for the other nodes says so, once after a few seconds and then every minute: how many have joined
+  # the rendezvous at MASTER_ADDR:MASTER_PORT, and when torchrun gives up (recovery.py).
+  "$PYTHON" -c 'import recovery, sys; recovery.watch_rendezvous(*sys.argv[1:])' "$MASTER_ADDR:$MASTER_PORT" \
+    "${RDZV_ID:-deeplab}" "$NNODES" "$JOIN_TIMEOUT" &
+  WATCHER=$!
+fi
 SIGNALS=0
 forward() {
   SIGNALS=$(( SIGNALS + 1 ))
-  if [ "$SIGNALS" -eq 1 ]; then
+  if [ "$SIGNALS" -eq 1 ] && pgrep -P "$LAUNCHER" >/dev/null; then
     echo "run.sh: got SIG$1: the workers save a checkpoint at the end of this step and stop (again to stop at once)"
     { echo "$1" > "$DEEPLAB_STOP_FILE"; } 2>/dev/null || true   # (the workers that run get the signal itself)
     pkill "-$1" -P "$LAUNCHER" || true   # torchrun's children: the workers
   else
+    # A second signal; or no worker yet (torchrun waits for the other nodes, or starts them): nothing to save.
+    [ "$SIGNALS" -gt 1 ] || echo "run.sh: got SIG$1 before any worker started: stopping torchrun; nothing was trained"
+    { echo "$1" > "$DEEPLAB_STOP_FILE"; } 2>/dev/null || true
     kill -TERM "$LAUNCHER" 2>/dev/null || true
   fi
 }

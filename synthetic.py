@@ -15,6 +15,7 @@ import argparse
 import json
 import multiprocessing
 import os
+import signal
 import sys
 
 import numpy as np
@@ -30,6 +31,8 @@ _TABLE = torchvision.datasets.Cityscapes.classes  # the official label table: id
 _ID = {c.name: c.id for c in _TABLE}
 _TRAIN_CITIES = ("aachen", "bochum", "bremen")
 _VAL_CITIES = ("frankfurt", "lindau", "munster")
+_TEST_CITIES = ("berlin", "bielefeld", "bonn")
+SPLITS = ("train", "val", "test")
 
 
 def _jitter(rng, color, amount=25):
@@ -59,16 +62,25 @@ def photo_texture(rng, height, width):
 
 
 def draw_street(rng, width, height, photo=False):
-    """One street scene: (RGB uint8 array, labelId uint8 array). Shapes, not just colours, tell the
-    classes apart: colours are jittered per object, overlap between classes, and carry noise (photo=True:
-    photo_texture's instead of plain Gaussian noise of sigma 8)."""
+    """One street scene: (RGB uint8 array, labelId uint8 array, instanceId uint16 array). Shapes, not just
+    colours, tell the classes apart: colours are jittered per object, overlap between classes, and carry noise
+    (photo=True: photo_texture's instead of plain Gaussian noise of sigma 8). instanceIds as Cityscapes has them
+    (what its official evaluation reads for iIoU): labelId * 1000 + the object's number for each person and car,
+    the labelId elsewhere."""
     image = Image.new("RGB", (width, height))
     label = Image.new("L", (width, height), _ID["unlabeled"])
-    paint, mark = ImageDraw.Draw(image), ImageDraw.Draw(label)
+    instances = Image.new("I", (width, height), _ID["unlabeled"])
+    paint, mark, number = ImageDraw.Draw(image), ImageDraw.Draw(label), ImageDraw.Draw(instances)
+    objects = []
 
-    def shape(kind, box, color, name):
+    def shape(kind, box, color, name, instance=None):
         getattr(paint, kind)(box, fill=color)
         getattr(mark, kind)(box, fill=_ID[name])
+        getattr(number, kind)(box, fill=_ID[name] if instance is None else _ID[name] * 1000 + instance)
+
+    def new_object():  # one person or car: its shapes share a number
+        objects.append(None)
+        return len(objects) - 1
 
     horizon = int(height * rng.uniform(0.35, 0.5))
     sky = _jitter(rng, (70, 130, 180), 30)
@@ -134,20 +146,22 @@ def draw_street(rng, width, height, photo=False):
         px = road_x(feet, rng.choice([-0.1, 1.1]) + rng.uniform(-0.05, 0.05))
         h = (feet - horizon) / (height - horizon) * height * 0.45 + 8
         clothes = _jitter(rng, tuple(int(v) for v in rng.integers(0, 256, 3)), 0)
-        shape("rectangle", [px - h * 0.14, feet - h * 0.8, px + h * 0.14, feet], clothes, "person")
+        person = new_object()
+        shape("rectangle", [px - h * 0.14, feet - h * 0.8, px + h * 0.14, feet], clothes, "person", person)
         shape("ellipse", [px - h * 0.1, feet - h, px + h * 0.1, feet - h * 0.78], _jitter(rng, (220, 180, 150)),
-              "person")
+              "person", person)
     # Cars on the road, far ones first so near ones cover them.
     for base in sorted(horizon + (height - horizon) * rng.uniform(0.1, 0.95, int(rng.integers(1, 5)))):
         cx = road_x(base, rng.uniform(0.15, 0.85))
         w = (base - horizon) / (height - horizon) * width * 0.35 + 6
         h = w * 0.55
         body = _jitter(rng, tuple(int(v) for v in rng.integers(0, 256, 3)), 0)
-        shape("rectangle", [cx - w / 2, base - h * 0.6, cx + w / 2, base - h * 0.1], body, "car")
-        shape("rectangle", [cx - w * 0.35, base - h, cx + w * 0.35, base - h * 0.55], body, "car")
+        car = new_object()
+        shape("rectangle", [cx - w / 2, base - h * 0.6, cx + w / 2, base - h * 0.1], body, "car", car)
+        shape("rectangle", [cx - w * 0.35, base - h, cx + w * 0.35, base - h * 0.55], body, "car", car)
         paint.rectangle([cx - w * 0.3, base - h * 0.92, cx + w * 0.3, base - h * 0.62], fill=(60, 70, 90))
         for wx in (cx - w * 0.32, cx + w * 0.32):
-            shape("ellipse", [wx - h * 0.17, base - h * 0.3, wx + h * 0.17, base], (20, 20, 20), "car")
+            shape("ellipse", [wx - h * 0.17, base - h * 0.3, wx + h * 0.17, base], (20, 20, 20), "car", car)
     # The ego vehicle's bonnet at the bottom, void in Cityscapes: it teaches the loss to ignore.
     shape("rectangle", [0, int(height * 0.94), width, height], _jitter(rng, (30, 30, 35), 10), "ego vehicle")
 
@@ -156,7 +170,7 @@ def draw_street(rng, width, height, photo=False):
         pixels += photo_texture(rng, height, width)
     else:
         pixels += rng.standard_normal(pixels.shape, dtype=np.float32) * 8
-    return np.clip(pixels, 0, 255).astype(np.uint8), np.asarray(label)
+    return np.clip(pixels, 0, 255).astype(np.uint8), np.asarray(label), np.asarray(instances).astype(np.uint16)
 
 
 # The folder layout has other classes than Cityscapes' 19: its 7 categories (flat, construction, object, nature,
@@ -174,17 +188,29 @@ def _names(layout, split, i):
     """The image's and the label's path below the root for scene i of a split."""
     if layout == "folder":
         return os.path.join("images", split, f"street_{i:04d}.jpg"), os.path.join("masks", split, f"street_{i:04d}.png")
-    cities = _TRAIN_CITIES if split == "train" else _VAL_CITIES
+    cities = {"train": _TRAIN_CITIES, "val": _VAL_CITIES, "test": _TEST_CITIES}[split]
     city = cities[i % len(cities)]
     stem = f"{city}_{i // len(cities):06d}_{19:06d}"
     return (os.path.join("leftImg8bit", split, city, f"{stem}_leftImg8bit.png"),
             os.path.join("gtFine", split, city, f"{stem}_gtFine_labelIds.png"))
 
 
+def _files(layout, split, i):
+    """Every file of scene i below the root: its image, its label, and in Cityscapes' layout its instanceIds."""
+    image, label = _names(layout, split, i)
+    return [image, label] + ([label.replace("_labelIds.png", "_instanceIds.png")] if layout != "folder" else [])
+
+
+def _quiet_worker():
+    """A drawing process leaves Ctrl-C to its parent, and ends at once on the SIGTERM that ends the pool."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 def _write_scene(job):
-    """Draw scene i of a split and write its image and label (a worker's task)."""
+    """Draw scene i of a split and write its image and label, and Cityscapes' instanceIds (a worker's task)."""
     root, layout, split, i, seed, size, photo = job
-    image, label = draw_street(np.random.default_rng([seed, ("train", "val").index(split), i]), *size, photo)
+    image, label, instances = draw_street(np.random.default_rng([seed, SPLITS.index(split), i]), *size, photo)
     image_path, label_path = (os.path.join(root, name) for name in _names(layout, split, i))
     for path in (image_path, label_path):
         os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -198,29 +224,31 @@ def _write_scene(job):
         # frames get PNG's default (6), as real ones have.
         Image.fromarray(image).save(image_path, compress_level=6 if photo else 1)
         Image.fromarray(label).save(label_path)
+        Image.fromarray(instances).save(os.path.join(root, _files(layout, split, i)[2]), compress_level=1)
 
 
 def write_synthetic(root, num_train=200, num_val=50, size=(256, 128), seed=0, photo=False, layout="cityscapes",
-                    workers=1, unique=None):
+                    workers=1, unique=None, num_test=0):
     """Write a synthetic data set into the new (or empty) folder root, deterministic for a seed. size: (width,
-    height). workers: processes drawing at once. unique: scenes drawn per split, the others hard links to them."""
+    height). workers: processes drawing at once. unique: scenes drawn per split, the others hard links to them.
+    num_test: a test split too (Cityscapes' test images are for predictions: predict.py)."""
     def write(folder):
         if layout == "folder":
             with open(os.path.join(folder, "classes.json"), "w") as f:
                 json.dump({"names": CATEGORY_NAMES, "colors": CATEGORY_COLORS, "ignore_index": IGNORE_INDEX}, f,
                           indent=1)
-        counts = {"train": num_train, "val": num_val}
+        counts = {"train": num_train, "val": num_val, "test": num_test}
         drawn = {split: min(count, unique or count) for split, count in counts.items()}
         jobs = [(folder, layout, split, i, seed, size, photo) for split in counts for i in range(drawn[split])]
         if workers > 1 and len(jobs) > 1:
-            with multiprocessing.get_context("fork").Pool(workers) as pool:
+            with multiprocessing.get_context("fork").Pool(workers, initializer=_quiet_worker) as pool:
                 list(pool.imap_unordered(_write_scene, jobs))
         else:
             for job in jobs:
                 _write_scene(job)
         for split, count in counts.items():
             for i in range(drawn[split], count):  # the same bytes under another scene's name
-                for source, target in zip(_names(layout, split, i % drawn[split]), _names(layout, split, i)):
+                for source, target in zip(_files(layout, split, i % drawn[split]), _files(layout, split, i)):
                     os.makedirs(os.path.dirname(os.path.join(folder, target)), exist_ok=True)
                     os.link(os.path.join(folder, source), os.path.join(folder, target))
 
@@ -232,6 +260,7 @@ def get_args_parser():
     parser.add_argument("folder", metavar="DIR", help="a new or empty folder to write the data set into")
     parser.add_argument("--num-train", type=at_least(1), default=200)
     parser.add_argument("--num-val", type=at_least(1), default=50)
+    parser.add_argument("--num-test", type=at_least(0), default=0, help="a test split too (default: none)")
     parser.add_argument("--size", type=at_least(16), nargs=2, default=(256, 128), metavar=("W", "H"))
     parser.add_argument("--seed", type=at_least(0), default=0)
     parser.add_argument("--layout", choices=("cityscapes", "folder"), default="cityscapes",
@@ -244,12 +273,23 @@ def get_args_parser():
     return parser
 
 
+def _stop(signum, frame):
+    raise KeyboardInterrupt  # a SIGTERM (run.sh passes a Ctrl-C on so) ends as a Ctrl-C does: the temporary folder goes
+
+
 if __name__ == "__main__":
     args = get_args_parser().parse_args()
+    signal.signal(signal.SIGTERM, _stop)
     try:
         write_synthetic(args.folder, args.num_train, args.num_val, tuple(args.size), args.seed, args.photo,
-                        args.layout, args.workers, args.unique)
+                        args.layout, args.workers, args.unique, args.num_test)
     except paths.UserError as error:
         sys.exit(f"synthetic.py: error: {error}")
-    print(f"wrote {args.num_train} train and {args.num_val} val {'photo-like ' if args.photo else ''}images "
+    except OSError as error:  # a full disk: write_folder removed what it had written
+        sys.exit(f"synthetic.py: error: cannot write {args.folder} ({error.strerror or error}); nothing half-written "
+                 "is left: free space there, or give another folder")
+    except KeyboardInterrupt:
+        sys.exit(f"synthetic.py: stopped; {args.folder} was not written (nothing half-written is left)")
+    test = f", {args.num_test} test" if args.num_test else ""
+    print(f"wrote {args.num_train} train, {args.num_val} val{test} {'photo-like ' if args.photo else ''}images "
           f"({args.size[0]}x{args.size[1]}) to {args.folder}, {args.layout} layout")

@@ -10,7 +10,11 @@ nothing and run as two chains side by side (fp16 resume, then its ONNX export; p
 
     device            the GPU, torch, CUDA
     model_only_img_s  bench.py's bare training step at the recipe's sizes (ResNet-101 DeepLabV3+, crop 768,
-                      batch 16 as run.sh gives one GPU, bf16, channels_last)
+                      batch 8 a forward as run.sh gives one GPU (-b 8 --accum-steps 2), bf16, channels_last)
+    peak_gib_*        the same step's peak memory at other batches and precisions (bf16 -b 4 and 16, fp32 -b 8):
+                      the points docs/memory.md estimates
+    fp32_img_s, fp32_channels_last_img_s   the bare step in fp32 without and with channels_last (-b 8)
+    bucket_*          DDP (one process) with its gradients zeroed in place against set_to_none: step time, peak
     program_img_s, program_data_wait    run.sh's steady steps (after 10 warm-up steps, -p 10) at the same sizes on
                       photo-like 2048x1024 PNGs, default -j; program_vs_model_only: their ratio
     cached_img_s, cached_data_wait      the same from --cache-dir with -j 4
@@ -22,6 +26,7 @@ nothing and run as two chains side by side (fp16 resume, then its ONNX export; p
     onnx_ok           predict.py --export, run by onnxruntime: PyTorch's logits
 """
 import argparse
+import importlib.util
 import json
 import os
 import re
@@ -45,7 +50,7 @@ SIZES = {
     # The CPU has bf16, but without native support it is many times slower than float32: the rates run in
     # float32 there, and bf16 stands in for fp16 only in the resume check.
     "dry": dict(frame=(128, 64), train=40, val=2, unique=4, amp="bf16", small=(64, 32), small_train=16, small_val=2,
-                recipe=["--model", SMALL_MODEL, "--crop-size", "32", "-b", "2"],
+                recipe=["--model", SMALL_MODEL, "--crop-size", "32", "-b", "2", "--accum-steps", "1"],
                 small_args=["--crop-size", "32", "-b", "2"]),
 }
 
@@ -102,8 +107,9 @@ def write_log(log, text):
 
 
 def stop(process):
-    """A command past its time: SIGTERM twice (run.sh's second one stops torchrun and its workers at once; killing
-    run.sh alone would leave them training in a folder a later step uses), then whatever is left killed."""
+    """A command past its time, or the check itself stopped: SIGTERM twice (run.sh's second one stops torchrun and
+    its workers at once; killing run.sh alone would leave them training in a folder a later step uses), then
+    whatever is left killed."""
     for wait in (2, 60):
         process.send_signal(signal.SIGTERM)  # (nothing, once it has ended)
         try:
@@ -114,15 +120,45 @@ def stop(process):
     process.kill()
 
 
+RUNNING = set()  # the commands running now, in both chains: stopped with the check
+
+
+def start(command, env=None, **options):
+    """A command started in the repository root, and known to stop_on_signal."""
+    process = subprocess.Popen(command, cwd=ROOT, env={**os.environ, **(env or {})}, **options)
+    RUNNING.add(process)
+    return process
+
+
+def stop_on_signal():
+    """SIGTERM or Ctrl-C to the check stops every command it runs (run.sh starts torchrun in a session of its own,
+    so a Ctrl-C in the terminal would not reach its workers) and ends it in one line."""
+    def stop_all(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        running = [process for process in RUNNING if process.poll() is None]
+        threads = [threading.Thread(target=stop, args=(process,)) for process in running]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        print(f"gpu_check: stopped by signal {signum}; {len(running)} running command(s) stopped. The results so far "
+              "are in gpu_check.json", file=sys.stderr, flush=True)
+        os._exit(128 + signum)
+    signal.signal(signal.SIGTERM, stop_all)
+    signal.signal(signal.SIGINT, stop_all)
+
+
 def execute(command, env=None, timeout=600):
     """Run a command in the repository root, stopped whole after timeout seconds. -> its CompletedProcess."""
-    process = subprocess.Popen(command, cwd=ROOT, env={**os.environ, **(env or {})}, stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True)
+    process = start(command, env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         stdout, stderr = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         stop(process)
         raise
+    finally:
+        RUNNING.discard(process)
     return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
 
 
@@ -164,6 +200,8 @@ def plan(sizes, tmp, dry):
         ("data full", [PY, "synthetic.py", full, "--num-train", str(sizes["train"]), "--num-val", str(sizes["val"]),
                        "--size", *map(str, sizes["frame"]), "--photo", "--unique", str(sizes["unique"]), "--seed", "1",
                        "-j", str(os.cpu_count())], {}),
+        ("buckets", [PY, "bench.py", "--bucket-views", *(["--quick"] if dry else ["--gpu"])],
+         {"CUDA_VISIBLE_DEVICES": ""} if dry else {}),
         ("program", ["./run.sh", *rate], {**cpu, "DATA": full, "OUTPUT_DIR": os.path.join(tmp, "o_png")}),
         ("fill cache", [PY, "dataset.py", "--prepare-cache", cache, "--data", full, "-j", str(os.cpu_count())], {}),
         ("cached", ["./run.sh", *rate, "-j", "4", "--cache-dir", cache],
@@ -205,6 +243,16 @@ def main():
         for name, (command, env) in commands.items():
             print(f"{name}: {' '.join(f'{k}={v}' for k, v in env.items())} {shlex.join(command)}")
         return
+    if os.path.exists(os.path.join(out, "gpu_check.json")):  # an earlier check's figures are not replaced silently
+        with open(os.path.join(out, "gpu_check.json")) as f:
+            earlier = f.read(2000)
+        date = re.search(r'"date": "([^"]+)"', earlier)
+        sys.exit(f"gpu_check: error: {out} holds an earlier check's results (gpu_check.json"
+                 f"{', ' + date[1] if date else ''}): give another --out, or move it away")
+    missing = [name for name in ("onnx", "onnxscript", "onnxruntime") if importlib.util.find_spec(name) is None]
+    if missing:  # found now, not after the minutes of the rates
+        sys.exit(f"gpu_check: error: the export check needs {', '.join(missing)}: pip install -r requirements-test.txt")
+    stop_on_signal()
     os.makedirs(tmp, exist_ok=True)
     check, log = Check(out), os.path.join(out, "gpu_check.log")
     print(f"gpu_check: writing {check.path} and {log}", flush=True)
@@ -223,7 +271,7 @@ def main():
         return f"{name}, torch {torch.__version__}, CUDA {torch.version.cuda}, {os.cpu_count()} cores"
 
     def data():
-        small = subprocess.Popen(commands["data small"][0], cwd=ROOT, stdout=subprocess.DEVNULL)
+        small = start(commands["data small"][0], stdout=subprocess.DEVNULL)
         go("data full")
         if small.wait():
             raise RuntimeError("synthetic.py (the small set) failed")
@@ -241,10 +289,47 @@ def main():
         if args.dry_run:
             rate, peak, _ = bench.gpu_step_rate(None, False, False, 2, 32, 10, 5, "cpu", SMALL_MODEL)
         else:
-            rate, peak, _ = bench.gpu_step_rate(torch.bfloat16, True, False, 16, 768, 20, 10)
+            torch.backends.cudnn.benchmark = True  # as main.py has it
+            rate, peak, _ = bench.gpu_step_rate(torch.bfloat16, True, False, 8, 768, 20, 10)
             torch.cuda.empty_cache()
         check.record(model_only_img_s=round(rate, 2), model_only_peak_gib=round(peak, 2))
         return f"{rate:.1f} images/s, {peak:.1f} GiB"
+
+    def memory():
+        """Peak memory at the batches and precisions docs/memory.md estimates, and fp32's rate with and without
+        channels_last (measured only with bf16 before)."""
+        import torch
+        sys.path.insert(0, ROOT)
+        import bench
+        found = {}
+        points = [("bf16", torch.bfloat16, 4), ("bf16", torch.bfloat16, 16), ("fp32", None, 8)]
+        for precision, dtype, batch in points[:1] if args.dry_run else points:
+            if args.dry_run:
+                _, peak, _ = bench.gpu_step_rate(None, False, False, 2, 32, 2, 1, "cpu", SMALL_MODEL)
+            else:
+                _, peak, _ = bench.gpu_step_rate(dtype, True, False, batch, 768, 3, 2)
+                torch.cuda.empty_cache()
+            found[f"peak_gib_{precision}_b{batch}"] = round(peak, 2)
+        for layout, channels_last in (("fp32", False), ("fp32_channels_last", True)):
+            if args.dry_run:
+                rate, _, _ = bench.gpu_step_rate(None, channels_last, False, 2, 32, 2, 1, "cpu", SMALL_MODEL)
+            else:
+                rate, _, _ = bench.gpu_step_rate(None, channels_last, False, 8, 768, 10, 4)
+                torch.cuda.empty_cache()
+            found[f"{layout}_img_s"] = round(rate, 2)
+        check.record(**found)
+        return ", ".join(f"{k} {v}" for k, v in found.items())
+
+    def buckets():
+        """DDP's gradients zeroed in place (main.py) against set_to_none: one process, on this GPU."""
+        output = go("buckets")
+        results = json.loads(output.strip().splitlines()[-1])
+        (none_s, none_gib, _), (place_s, place_gib, copies) = results["set_to_none"], results["in place"]
+        found = {"bucket_set_to_none_ms": round(none_s * 1000, 1), "bucket_in_place_ms": round(place_s * 1000, 1),
+                 "bucket_set_to_none_gib": round(none_gib, 3), "bucket_in_place_gib": round(place_gib, 3),
+                 "bucket_in_place_copies": copies}
+        check.record(**found)
+        return ", ".join(f"{k} {v}" for k, v in found.items())
 
     def program(name, key):
         output = go(name)
@@ -274,8 +359,7 @@ def main():
 
     def preempt():
         command, env = commands["preempt"]
-        process = subprocess.Popen(command, cwd=ROOT, env={**os.environ, **env}, stdout=subprocess.PIPE,
-                                   stderr=subprocess.STDOUT, text=True)
+        process = start(command, env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         seen = []
         for line in process.stdout:
             seen.append(line)
@@ -320,8 +404,8 @@ def main():
         import onnxruntime
         import torch
         sys.path.insert(0, ROOT)
-        import predict as predict_py
-        model, _ = predict_py.load_model(os.path.join(tmp, "o_resume", "checkpoint.pth"))
+        import checkpoints
+        model, _ = checkpoints.load_for_inference(os.path.join(tmp, "o_resume", "checkpoint.pth"))
         images = torch.randn(1, 3, 64, 128)
         with torch.no_grad():
             expected = model(images).numpy()
@@ -331,6 +415,8 @@ def main():
         return f"largest difference from PyTorch's logits {difference:.2e}"
 
     check.step("model_only", model_only)
+    check.step("memory", memory)
+    check.step("buckets", buckets)
     check.step("program", lambda: program("program", "program"))
     check.step("cached", cached)
     # Each chain uses its own run's checkpoint, so neither waits for the other.

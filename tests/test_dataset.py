@@ -142,7 +142,7 @@ def test_decoded_pixels_and_label_indices_are_bitwise_pil_s(tmp_path, monkeypatc
         monkeypatch.setattr(images, "_torchcodec_decode", None)
     else:
         pytest.importorskip("torchcodec")
-    image, label_ids = draw_street(np.random.default_rng(2), 128, 64, photo=True)
+    image, label_ids, _ = draw_street(np.random.default_rng(2), 128, 64, photo=True)
     Image.fromarray(image).save(tmp_path / "rgb.png")
     Image.fromarray(image).convert("RGBA").save(tmp_path / "rgba.png")
     Image.fromarray(label_ids).save(tmp_path / "grey.png")

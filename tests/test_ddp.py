@@ -1,5 +1,4 @@
 """DDP properties, on real gloo process groups (torch.multiprocessing, one thread per process)."""
-import argparse
 import copy
 
 import pytest
@@ -41,7 +40,7 @@ def _tiny_model(seed=0):
 # --- after several DDP steps every parameter and buffer is identical on every rank -----------------
 
 def _train_steps(rank, world_size, tmp, data):
-    args = argparse.Namespace(amp=None, print_freq=1000, epochs=2, batch_size=2, lr=0.05, seed=0)
+    args = main.get_args_parser().parse_args(["-p", "1000", "--epochs", "2", "-b", "2", "--lr", "0.05"])
     model = DDP(_tiny_model(), gradient_as_bucket_view=True)
     train_set = Cityscapes(data, "train", crop_size=(32, 32))
     sampler = DistributedSampler(train_set, shuffle=True, seed=0)
@@ -178,3 +177,37 @@ def test_one_image_per_process_trains_with_aspp_pooling_batchnorm():
     assert torch.isfinite(loss)
     with pytest.raises(ValueError):  # what plain BatchNorm does there, and what the model avoids
         torch.nn.BatchNorm2d(4).train()(torch.randn(1, 4, 1, 1))
+
+
+# --- gradient accumulation: N batches on one process make the step one batch on each of N processes makes ---------
+
+def _accumulated_steps(rank, world_size, tmp, accum_steps):
+    """Two optimizer steps of main.train_one_epoch through DDP: world size 1 with --accum-steps 2, or world size 2
+    with --accum-steps 1. Either way step s sees batches 2s and 2s+1 (2 images each), each a forward of its own."""
+    generator = torch.Generator().manual_seed(7)
+    batches = [(torch.randint(0, 256, (2, 3, 32, 32), dtype=torch.uint8, generator=generator),
+                torch.randint(0, NUM_CLASSES, (2, 32, 32), dtype=torch.uint8, generator=generator)) for _ in range(4)]
+    loader = batches if world_size == 1 else batches[rank::2]  # rank r: batches r and 2 + r
+    args = main.get_args_parser().parse_args(["-b", "2", "--accum-steps", str(accum_steps), "--lr", "0.05",
+                                              "--epochs", "1", "-p", "1000"])
+    model = DDP(_tiny_model())
+    entered, no_sync = [], model.no_sync  # the batches that skip the all-reduce
+    model.no_sync = lambda: entered.append(1) or no_sync()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-4)
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    main.train_one_epoch(model, optimizer, scaler, loader, torch.device("cpu"), 0, 0, 2, args)
+    if rank == 0:
+        torch.save({"weights": {k: v.clone() for k, v in model.module.named_parameters()}, "no_sync": len(entered)},
+                   f"{tmp}/accumulated_{world_size}.pt")
+
+
+def test_accumulating_two_batches_on_one_process_gives_the_weights_of_one_batch_on_each_of_two(tmp_path):
+    _spawn(_accumulated_steps, 1, tmp_path, 2)
+    _spawn(_accumulated_steps, 2, tmp_path, 1)
+    one, two = (torch.load(tmp_path / f"accumulated_{w}.pt") for w in (1, 2))
+    assert (one.pop("no_sync"), two.pop("no_sync")) == (2, 0)  # the first of each two batches: no all-reduce
+    one, two = one["weights"], two["weights"]
+    initial = dict(_tiny_model().named_parameters())
+    assert any(not torch.equal(initial[k], v) for k, v in one.items())  # it did train
+    for name, value in one.items():  # the same update, up to the order of float additions
+        assert torch.allclose(value, two[name], rtol=1e-4, atol=1e-6), (name, (value - two[name]).abs().max())

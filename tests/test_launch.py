@@ -1,11 +1,12 @@
 """main.py under each launcher, and run.sh end to end, as a user runs them (subprocesses, gloo, CPU)."""
 import json
 import os
+import subprocess
 import sys
 
 import pytest
 
-from conftest import SLOW_ARGS, TRAIN_ARGS, free_port, run
+from conftest import ROOT, SLOW_ARGS, TRAIN_ARGS, free_port, run
 import main
 
 PY = sys.executable
@@ -124,3 +125,20 @@ def test_two_nodes_train_together_and_match_one_node(data24, straight, tmp_path)
     assert mine["epoch"] == reference["epoch"] == 2
     assert all(torch.equal(mine["model"][k], reference["model"][k]) for k in reference["model"])
     assert [r["miou"] for r in _metrics(out)] == [r["miou"] for r in _metrics(straight)]
+
+
+@pytest.mark.parametrize("gpus, per_gpu, accum_steps", [(1, 8, 2), (2, 8, 1), (4, 4, 1), (8, 2, 1)])
+def test_run_sh_keeps_the_recipes_global_batch_on_1_to_8_gpus(gpus, per_gpu, accum_steps, tiny_data, tmp_path):
+    """run.sh as a machine with that many GPUs runs it, a stand-in for Python recording what run.sh starts: one
+    process per GPU, at most the two-GPU layout's 8 images a forward, and the global batch of 16."""
+    log, fake = tmp_path / "started", tmp_path / "python"
+    fake.write_text('#!/bin/bash\nif [ "$1" = -c ]; then echo "$FAKE_GPUS"; else echo "$*" >> "$FAKE_LOG"; fi\n')
+    fake.chmod(0o755)
+    env = {"PYTHON": str(fake), "FAKE_GPUS": str(gpus), "FAKE_LOG": str(log), "DATA": tiny_data,
+           "OUTPUT_DIR": str(tmp_path / "out"), "CUDA_VISIBLE_DEVICES": ",".join(map(str, range(gpus)))}
+    result = subprocess.run(["./run.sh"], cwd=ROOT, env={**os.environ, **env}, capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+    check, launch = log.read_text().splitlines()
+    assert f"--check-only {gpus}" in check and f"--nproc_per_node {gpus} " in launch, (check, launch)
+    assert f"-b {per_gpu} --accum-steps {accum_steps}" in launch and per_gpu * gpus * accum_steps == 16, launch

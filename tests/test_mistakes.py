@@ -5,6 +5,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -315,7 +316,7 @@ def test_the_advice_after_a_stop_continues_the_run_instead_of_starting_over(tiny
     monkeypatch.delenv("DEEPLAB_STOP_FILE")
     main.main(main.get_args_parser().parse_args(common + ["--resume", "auto"]))  # the advice, followed
     said = capsys.readouterr().out
-    assert f"resuming from {os.path.join(out, 'checkpoint.pth')} at epoch 1 step 2" in said, said
+    assert f"resuming from {os.path.join(out, 'checkpoint.pth')} at epoch 1 after step 2" in said, said
 
 
 @pytest.mark.parametrize("where, flag", [("data", "--output-dir"), ("data/leftImg8bit", "--output-dir"),
@@ -627,4 +628,153 @@ def test_a_torchrun_restart_keeps_what_the_first_attempt_started_from(tiny_data,
     out = str(tmp_path / "new")  # the first attempt died before its first checkpoint
     main.main(main.get_args_parser().parse_args(common + ["--output-dir", out, "--resume", best, "--epochs", "2"]))
     said = capsys.readouterr().out
-    assert f"resuming from {best} at epoch 1" in said and "starting afresh" not in said, said
+    assert f"resuming from {best} at the start of epoch 1" in said and "starting afresh" not in said, said
+
+
+# --- out of memory: one line, said by the rank that ran out, no restart ----------------------------------------------
+def _runs_out_of_memory(monkeypatch, when):
+    """DeepLab's forward raises torch.OutOfMemoryError (as CUDA's allocator does) when when(calls, training) says;
+    the device's memory reads 24 GiB, 22.5 at the peak."""
+    import models
+    import recovery
+    forward, calls = models.DeepLab.forward, []
+
+    def forward_or_out_of_memory(self, images):
+        calls.append(1)
+        if when(len(calls), torch.is_grad_enabled()):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return forward(self, images)
+    monkeypatch.setattr(models.DeepLab, "forward", forward_or_out_of_memory)
+    monkeypatch.setattr(recovery, "memory_figures", lambda: ("GPU 0", 24.0, 22.5))
+
+
+def test_out_of_memory_in_a_step_or_the_evaluation_ends_in_one_line_that_says_what_to_change(tiny_data, tmp_path,
+                                                                                             monkeypatch, capsys):
+    common = ["--data", tiny_data, *TRAIN_ARGS, "--epochs", "1"]
+    _runs_out_of_memory(monkeypatch, lambda calls, training: calls == 3)  # the third step
+    line = _main_fails(common + ["--output-dir", str(tmp_path / "a")], capsys)
+    assert line == ("main.py: error: out of memory in a training step (-b 2 per process x --accum-steps 1, crop 32x32, "
+                    "fp32; GPU 0: 24.0 GiB in all, 22.5 GiB at the peak): try --amp bf16, -b 1 --accum-steps 2 (the "
+                    "same global batch), or a smaller --crop-size"), line
+    assert not os.path.exists(tmp_path / "a" / "checkpoint.pth")
+    _runs_out_of_memory(monkeypatch, lambda calls, training: not training)  # the first val image
+    line = _main_fails(common + ["--output-dir", str(tmp_path / "b"), "--amp", "bf16"], capsys)
+    assert line == ("main.py: error: out of memory in the evaluation (val images whole, at full resolution, one at a "
+                    "time, bf16; GPU 0: 24.0 GiB in all, 22.5 GiB at the peak): try a sliding window, --eval-crop 769 "
+                    "(mmsegmentation's)"), line
+    monkeypatch.setenv("DEEPLAB_RUN_SH", "1")  # the advice as run.sh's user types it
+    _runs_out_of_memory(monkeypatch, lambda calls, training: training)
+    line = _main_fails(common + ["--output-dir", str(tmp_path / "c"), "-b", "3", "--accum-steps", "2"], capsys)
+    assert line.endswith("try --amp bf16, -b 1 --accum-steps 6 (the same global batch), or a smaller --crop-size "
+                         "(after ./run.sh)"), line
+
+
+def test_out_of_memory_in_predict_py_ends_in_one_line(trained, tmp_path, monkeypatch, capsys):
+    _runs_out_of_memory(monkeypatch, lambda calls, training: True)
+    line = _predict_fails(["--resume", os.path.join(trained, "best.pth"), os.path.join(trained, "vis"), "-j", "0",
+                           "--output-dir", str(tmp_path / "p")], capsys)
+    assert line == ("predict.py: error: out of memory in a prediction (-b 4 images of one size per forward, whole, at "
+                    "full resolution, fp32; GPU 0: 24.0 GiB in all, 22.5 GiB at the peak): try --amp bf16, -b 1, or "
+                    "a sliding window, --eval-crop 769"), line
+
+
+# --- one folder, one run ------------------------------------------------------------------------------------------
+HOLDER = """import sys, time, types
+import paths
+paths.hold_output(types.SimpleNamespace(output_dir=sys.argv[1], check_only=None, evaluate=False))
+print("held", flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_folder_in_use_is_refused_to_another_run_and_taken_over_from_a_dead_one(tiny_data, trained, tmp_path,
+                                                                                  capsys):
+    import signal
+    import socket
+    out = str(tmp_path / "out")
+    shutil.copytree(trained, out)
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, out], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline() == "held\n"  # a run (a process that holds the folder as main.py does)
+    before = _snapshot(out)
+    common = ["--data", tiny_data, "--output-dir", out, *TRAIN_ARGS]
+    try:
+        for extra in (["--epochs", "2", "--resume", "auto"], ["--resume", "auto", "--check-only", "2"],
+                      ["-e", "--resume", os.path.join(out, "best.pth")], ["--epochs", "1", "--overwrite"]):
+            line = _main_fails(common + extra, capsys)
+            assert (f"--output-dir {out} is in use by another run (host {socket.gethostname()}, process "
+                    f"{holder.pid}, since ") in line and "wait for it to end, or give another --output-dir" in line, line
+            assert _snapshot(out) == before  # nothing of the refused run there, not even its stop record
+    finally:
+        holder.send_signal(signal.SIGKILL)  # a holder that dies without letting go
+        holder.communicate()
+    main.main(main.get_args_parser().parse_args(common + ["--epochs", "2", "--resume", "auto"]))
+    said = capsys.readouterr().out
+    assert f"was held by host {socket.gethostname()}, process {holder.pid}" in said and "taken over" in said, said
+    assert not os.path.exists(os.path.join(out, paths.HOLD))  # let go at the end
+
+
+# --- a checkpoint is verified before it is trusted --------------------------------------------------------------------
+def _damage(path, at=0.5):
+    """4 KiB changed inside the file, as a bad copy might: torch.load still reads it."""
+    with open(path, "r+b") as f:
+        f.seek(int(os.path.getsize(path) * at))
+        f.write(bytes(4096))
+
+
+def test_a_damaged_checkpoint_is_refused_by_every_reader_and_resume_auto_falls_back(tiny_data, trained, tmp_path,
+                                                                                   capsys):
+    import predict
+    out = str(tmp_path / "out")
+    shutil.copytree(trained, out)
+    best = os.path.join(out, "best.pth")
+    shutil.copy(os.path.join(out, "checkpoint.pth"), os.path.join(out, "checkpoint.prev.pth"))
+    _damage(best)
+    torch.load(best, weights_only=True)  # torch itself does not notice
+    common = ["--data", tiny_data, *TRAIN_ARGS]
+    damaged = f"--resume {best} is damaged: what it holds differs from the digest written with it"
+    assert damaged in _main_fails(common + ["--output-dir", str(tmp_path / "e"), "-e", "--resume", best], capsys)
+    line = _main_fails(common + ["--output-dir", str(tmp_path / "w"), "--weights", best, "--epochs", "1"], capsys)
+    assert f"--weights {best} is damaged" in line, line
+    for argv in ([str(tmp_path), "--output-dir", str(tmp_path / "p")], ["--export", str(tmp_path / "m.onnx")]):
+        with pytest.raises(SystemExit):
+            predict.main(predict.get_args_parser().parse_args(["--resume", best, *argv]))
+        assert damaged in _one_error_line(capsys, "predict.py: error: ")
+    _damage(os.path.join(out, "checkpoint.pth"), at=0.3)
+    main.main(main.get_args_parser().parse_args(common + ["--output-dir", out, "--epochs", "2", "--resume", "auto"]))
+    said = capsys.readouterr().out
+    assert "checkpoint.pth is damaged" in said and "using the one before it" in said, said
+    assert "at the start of epoch 1" in said and "done:" in said, said
+
+
+def test_a_checkpoint_without_a_digest_is_read_and_said_once(trained, tmp_path, capsys):
+    old = str(tmp_path / "old.pth")
+    state = torch.load(os.path.join(trained, "best.pth"), weights_only=True)
+    del state["digest"]  # as main.py wrote checkpoints before they carried one
+    torch.save(state, old)
+    assert checkpoints.read("--resume", old)["epoch"] == 1 and checkpoints.read("--weights", old)
+    said = capsys.readouterr().out
+    assert said.count(f"note: {old} carries no digest") == 1, said
+
+
+# --- an earlier result is replaced only with a word; a full disk anywhere ends in one line ----------------------
+def test_earlier_results_are_replaced_with_a_word_and_a_full_disk_writing_eval_json_ends_in_one_line(
+        tiny_data, trained, tmp_path, monkeypatch, capsys):
+    import predict
+    best = os.path.join(trained, "best.pth")
+    evaluate = ["--data", tiny_data, "--output-dir", str(tmp_path / "e"), *TRAIN_ARGS, "-e", "--resume", best]
+    main.main(main.get_args_parser().parse_args(evaluate))
+    assert "replaces" not in capsys.readouterr().out
+    main.main(main.get_args_parser().parse_args(evaluate))
+    assert f"it replaces the earlier one (mIoU" in capsys.readouterr().out
+    images = os.path.join(trained, "vis")
+    for _ in range(2):
+        predict.main(predict.get_args_parser().parse_args(["--resume", best, images, "-j", "0", "--output-dir",
+                                                           str(tmp_path / "p")]))
+    assert "holds an earlier prediction: 3 of its files are replaced" in capsys.readouterr().out
+
+    def full_disk(path, data, before_rename=None):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(checkpoints, "write_atomically", full_disk)
+    line = _main_fails(evaluate, capsys)
+    assert line == (f"main.py: error: cannot write in {tmp_path / 'e'} (No space left on device): free space there, "
+                    "or give -e another --output-dir"), line

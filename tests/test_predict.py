@@ -12,6 +12,7 @@ import pytest
 import torch
 from PIL import Image
 
+import checkpoints
 from conftest import ROOT, TRAIN_ARGS, free_port, run
 from dataset import CLASS_COLORS, TRAINID_TO_ID
 from test_inference import varied_model
@@ -159,7 +160,7 @@ def test_onnx_export_computes_what_pytorch_computes(checkpoint, tmp_path, capsys
     path = str(tmp_path / "model.onnx")
     predict.main(predict.get_args_parser().parse_args(["--resume", checkpoint, "--export", path]))
     session = onnxruntime.InferenceSession(path, providers=["CPUExecutionProvider"])
-    model = predict.load_model(checkpoint)[0]
+    model = checkpoints.load_for_inference(checkpoint)[0]
     for shape in ((1, 3, 64, 128), (3, 3, 75, 101)):  # batch, height and width other than the example's
         images = torch.randn(shape)
         with torch.no_grad():

@@ -78,7 +78,7 @@ def test_resume_at_epoch_boundary_is_bitwise_identical(data24, straight, tmp_pat
         g.write(f.readline())
     assert _checkpoint(out)["epoch"] == 1 and _checkpoint(out)["step"] == 0
     log = run(["./run.sh", "--epochs", "2", "--resume", "auto", *SLOW_ARGS], env=_env(data24, out))
-    assert "resuming from" in log and "at epoch 1" in log
+    assert "resuming from" in log and "at the start of epoch 1" in log
     _assert_same_weights(straight, out)
     for mine, reference in zip(_metrics(out), _metrics(straight), strict=True):
         for key in ("epoch", "train_loss", "lr", "miou", "iou"):
@@ -139,7 +139,7 @@ def test_resume_with_another_number_of_processes(data24, straight, tmp_path, cap
     main.main(main.get_args_parser().parse_args(["--data", data24, "--output-dir", out, "--epochs", "2", "--resume",
                                                  "auto", *SLOW_ARGS]))
     log = capfd.readouterr().out
-    assert "trained with 2 process(es)" in log and "not bitwise" in log
+    assert "a global batch of 4 (2 process(es) x -b 2 x --accum-steps 1)" in log and "not bitwise" in log
     records = _metrics(out)
     assert [r["epoch"] for r in records] == [1] and records[0]["world_size"] == 1
     # The schedule continues at its position: epoch 1's last step is step 23 of 24.
@@ -173,7 +173,7 @@ def test_a_hung_peer_ends_the_job_naming_the_rank(data24, tmp_path):
         log = processes[0].communicate(timeout=60)[0]
         assert time.time() - start < 40  # the 9 s timeout, not forever
         assert processes[0].returncode != 0
-        assert "rank 1 silent" in log and "--resume auto" in log, log
+        assert "rank 1 silent" in log and "No checkpoint was written yet: run the same command again" in log, log
     finally:
         processes[1].kill()
         processes[1].communicate()
@@ -194,7 +194,7 @@ def test_bad_checkpoints_get_one_clear_line_and_auto_falls_back(data24, straight
     import main
     main.main(main.get_args_parser().parse_args(common + ["--epochs", "2", "--resume", "auto"]))
     log = capfd.readouterr().out
-    assert f"{path} cannot be read" in log and "checkpoint.prev.pth at epoch 1" in log
+    assert f"{path} cannot be read" in log and "checkpoint.prev.pth at the start of epoch 1" in log
 
     result = _fails_in_process(common + ["-e", "--resume", str(tmp_path / "good.pth"), "--model",
                                          "deeplabv3_mobilenet_v3_large"], capfd)
@@ -202,6 +202,7 @@ def test_bad_checkpoints_get_one_clear_line_and_auto_falls_back(data24, straight
     checkpoint = torch.load(tmp_path / "good.pth", weights_only=True)  # as if trained on 21 classes
     checkpoint["model"]["classifier.weight"] = torch.zeros(21, 256, 1, 1)
     checkpoint["args"].pop("model")
+    del checkpoint["digest"]  # changed on purpose
     torch.save(checkpoint, tmp_path / "other.pth")
     result = _fails_in_process(common + ["-e", "--resume", str(tmp_path / "other.pth")], capfd)
     assert "does not fit" in result and "classifier.weight (21, 256, 1, 1) vs (19, 256, 1, 1)" in result
@@ -374,6 +375,7 @@ def test_a_resumed_epoch_uses_the_persistent_workers_and_no_others(data24, strai
     os.makedirs(out)
     checkpoint = _checkpoint(straight, "checkpoint.prev.pth")  # epoch 0 done, by 2 processes of 2 images
     checkpoint["step"], checkpoint["world_size"], checkpoint["batch_size"] = 2, 1, 2  # as if one stopped at step 2
+    del checkpoint["digest"]  # changed on purpose
     torch.save(checkpoint, os.path.join(out, "checkpoint.pth"))
     process = _start([PY, "main.py", "--data", data24, "--output-dir", out, *SLOW_ARGS, "-j", "2", "--epochs", "3",
                       "--resume", "auto"], {})
@@ -492,3 +494,38 @@ def test_the_stop_vote_is_read_one_step_late_and_never_lets_a_nan_be_saved():
         assert vote.cast(fine) is None and vote.cast(nan) is None and vote.result() == "nonfinite"  # the last step
     finally:
         recovery._state.signal = None
+
+
+def test_a_stop_in_the_middle_of_an_accumulation_finishes_its_step_and_resumes_bitwise(data24, tmp_path,
+                                                                                       monkeypatch, capfd):
+    """--accum-steps 2 in one process: a signal that comes between the two batches of an optimizer step lets the
+    step finish (a stop is read after whole steps), and the resumed run ends bitwise where an uninterrupted one
+    does. Resumed with another layout of the same global batch (-b 4, no accumulation), it goes on at the same
+    step without a note."""
+    import dataset
+    import main
+    common = ["--data", data24, *TRAIN_ARGS, "--accum-steps", "2", "--epochs", "1"]  # 6 steps of 2 batches of 2
+    straight, out, other = (str(tmp_path / name) for name in ("straight", "out", "other"))
+    main.main(main.get_args_parser().parse_args(common + ["--output-dir", straight]))
+    reads, read = [], dataset.SegmentationFiles.__getitem__
+
+    def signal_between_two_batches(self, index):
+        if self.crop_size is not None:  # a training read
+            reads.append(index)
+            if len(reads) == 7:  # the first image of step 1's second batch
+                recovery._on_signal(signal.SIGTERM, None)
+        return read(self, index)
+    monkeypatch.setattr(dataset.SegmentationFiles, "__getitem__", signal_between_two_batches)
+    main.main(main.get_args_parser().parse_args(common + ["--output-dir", out]))
+    monkeypatch.setattr(dataset.SegmentationFiles, "__getitem__", read)
+    said = capfd.readouterr().out
+    assert "stopped by signal 15 at epoch 0 step 3/6" in said, said  # step 1 finished, step 2 ran, then all stopped
+    assert _checkpoint(out)["step"] == 3 and _checkpoint(out)["accum_steps"] == 2
+    shutil.copytree(out, other)
+    main.main(main.get_args_parser().parse_args(common + ["--output-dir", out, "--resume", "auto"]))
+    _assert_same_weights(straight, out)
+    main.main(main.get_args_parser().parse_args(common + ["--output-dir", other, "--resume", "auto", "-b", "4",
+                                                          "--accum-steps", "1"]))
+    said = capfd.readouterr().out
+    assert "at epoch 0 after step 3" in said and "note: the checkpoint was trained" not in said, said
+    assert "epoch 0 step 4/6" in said and "epoch 0 step 3/6" not in said, said

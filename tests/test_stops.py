@@ -1,0 +1,153 @@
+"""A user's stop is honoured at every moment (said where it stopped; the same command afterwards carries on or
+says there is nothing to do), and a wait says what it waits for. In-process where a launcher is not the point."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import checkpoints
+import dataset
+import main
+import recovery
+from conftest import ROOT, TRAIN_ARGS, free_port, processes_mentioning
+
+CPU_ENV = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+
+
+def _train(argv):
+    main.main(main.get_args_parser().parse_args(argv))
+
+
+def _signal_on_a_read(monkeypatch, evaluation, at=1):
+    """A SIGTERM, as the scheduler sends it, when the data set is read for the at-th time (in training, or in
+    evaluation)."""
+    reads, read = [], dataset.SegmentationFiles.__getitem__
+
+    def read_and_signal(self, index):
+        if (self.crop_size is None) == evaluation:
+            reads.append(index)
+            if len(reads) == at:
+                recovery._on_signal(signal.SIGTERM, None)
+        return read(self, index)
+    monkeypatch.setattr(dataset.SegmentationFiles, "__getitem__", read_and_signal)
+    return lambda: monkeypatch.setattr(dataset.SegmentationFiles, "__getitem__", read)
+
+
+def test_a_stop_during_the_evaluation_and_during_the_last_ones(tiny_data, tmp_path, monkeypatch, capsys):
+    out = str(tmp_path / "out")
+    common = ["--data", tiny_data, "--output-dir", out, *TRAIN_ARGS, "--epochs", "2", "--resume", "auto"]
+    restore = _signal_on_a_read(monkeypatch, evaluation=True)
+    _train(common)  # the first epoch's evaluation: the epoch is finished, saved, and the run stops
+    said = capsys.readouterr().out
+    assert "stopped by signal after an epoch; saved" in said and "run the same command with --resume auto" in said
+    assert checkpoints.read("--resume", os.path.join(out, "checkpoint.pth"))["epoch"] == 1
+    restore()
+    restore = _signal_on_a_read(monkeypatch, evaluation=True)
+    _train(common)  # the advice followed; stopped again during the last epoch's evaluation: training is done
+    said = capsys.readouterr().out
+    assert "at the start of epoch 1" in said and "training had finished, nothing is left to stop" in said, said
+    assert "done: best mIoU" in said
+    restore()
+    _train(common)
+    assert "nothing to train" in capsys.readouterr().out
+
+
+def test_a_stop_while_a_checkpoint_is_written_keeps_it_whole(tiny_data, tmp_path, monkeypatch, capsys):
+    out = str(tmp_path / "out")
+    common = ["--data", tiny_data, "--output-dir", out, *TRAIN_ARGS, "--epochs", "2", "--resume", "auto"]
+    save = torch.save
+
+    def signal_in_the_middle(state, f, *args, **kwargs):
+        recovery._on_signal(signal.SIGTERM, None)  # arrives while the bytes are written
+        return save(state, f, *args, **kwargs)
+    monkeypatch.setattr(torch, "save", signal_in_the_middle)
+    _train(common)
+    monkeypatch.setattr(torch, "save", save)
+    assert "stopped by signal after an epoch" in capsys.readouterr().out
+    assert checkpoints.read("--resume", os.path.join(out, "checkpoint.pth"))["epoch"] == 1  # whole, its digest good
+    _train(common)
+    said = capsys.readouterr().out
+    assert "at the start of epoch 1" in said and "done:" in said, said
+
+
+def _start_in_its_own_group(command, env):
+    """As a terminal starts a command: its own process group, SIGINT at its default (a process started in the
+    background from a script would ignore it, and so would a stop sent to it)."""
+    return subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+
+
+def _wait_for_process(text, timeout=60):
+    deadline = time.time() + timeout
+    while not processes_mentioning(text):
+        assert time.time() < deadline, f"no process with {text}"
+        time.sleep(0.1)
+
+
+@pytest.mark.parametrize("moment", ["writing the synthetic set", "checking the arguments and the data"])
+def test_ctrl_c_while_run_sh_prepares_says_so_in_one_line_and_leaves_nothing(moment, tiny_data, tmp_path):
+    out, synthetic = str(tmp_path / "out"), str(tmp_path / "synthetic")
+    data = str(tmp_path / "missing") if moment.startswith("writing") else tiny_data
+    process = _start_in_its_own_group(["./run.sh"], {**CPU_ENV, "DATA": data, "OUTPUT_DIR": out,
+                                                    "SYNTHETIC": synthetic})
+    _wait_for_process("synthetic.py" if moment.startswith("writing") else "--check-only")
+    time.sleep(1.0)  # inside Python: importing torch, or drawing scenes
+    os.killpg(process.pid, signal.SIGINT)  # Ctrl-C in the terminal: the whole foreground group
+    output = process.communicate(timeout=60)[0]
+    assert process.returncode == 130 and "Traceback" not in output, output
+    assert f"run.sh: stopped while {moment}" in output and "Run the same ./run.sh line again" in output, output
+    assert not os.path.exists(out)  # nothing written, and no half-written data set under any name
+    assert not any(".partial-" in name or name == "synthetic" for name in os.listdir(tmp_path)), os.listdir(tmp_path)
+    assert not processes_mentioning(str(tmp_path))
+
+
+def test_gpu_check_stopped_stops_the_commands_it_started(tmp_path):
+    out = str(tmp_path / "check")
+    process = _start_in_its_own_group([sys.executable, "tests/gpu_check.py", "--dry-run", "--out", out], CPU_ENV)
+    _wait_for_process(os.path.join(out, "work", "full"))  # synthetic.py writing the step's data
+    process.send_signal(signal.SIGTERM)
+    output = process.communicate(timeout=60)[0]
+    assert process.returncode == 128 + signal.SIGTERM and "gpu_check: stopped by signal 15" in output, output
+    time.sleep(0.5)
+    assert not processes_mentioning(out)  # nothing it started runs on
+    assert not any(".partial-" in name for name in os.listdir(os.path.join(out, "work")))
+
+
+def test_waits_for_other_nodes_and_processes_say_what_they_wait_for(tiny_data, tmp_path):
+    """A node of two whose partner never comes, and rank 0 of two processes started by hand without rank 1: each
+    says within seconds what it waits for, where, and when it gives up; run.sh stopped then stops at once."""
+    port, alone_port = str(free_port()), str(free_port())
+    node = _start_in_its_own_group(["./run.sh", "--epochs", "1", *TRAIN_ARGS], {
+        **CPU_ENV, "DATA": tiny_data, "OUTPUT_DIR": str(tmp_path / "nodes"), "NPROC": "1", "NNODES": "2",
+        "NODE_RANK": "0", "MASTER_PORT": port, "RDZV_ID": f"wait{port}"})
+    rank0 = _start_in_its_own_group([sys.executable, "main.py", "--data", tiny_data, "--output-dir",
+                                     str(tmp_path / "alone"), "--epochs", "1", "--dist-timeout", "2", *TRAIN_ARGS],
+                                    {**CPU_ENV, "RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0",
+                                     "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": alone_port})
+    try:
+        seen = []
+        for line in node.stdout:
+            seen.append(line)
+            if "run.sh: waiting" in line:
+                break
+        assert f"for 2 nodes to meet at 127.0.0.1:{port} (rendezvous wait{port}): 1 of 2 node(s) have joined; " \
+               "torchrun gives up at" in seen[-1] and "(JOIN_TIMEOUT=600 s)" in seen[-1], "".join(seen)
+        node.send_signal(signal.SIGTERM)  # as a scheduler would, to run.sh: nothing to save, torchrun stops
+        rest = node.communicate(timeout=60)[0]
+        assert "got SIGTERM before any worker started: stopping torchrun; nothing was trained" in rest, rest
+        for line in rank0.stdout:
+            if "waiting" in line:
+                break
+        assert (f"main.py: rank 0: waiting 5 s for the 2 processes to meet at 127.0.0.1:{alone_port} (the process "
+                "group); it gives up at") in line and "(--dist-timeout 2 min)" in line, line
+    finally:
+        for process in (node, rank0):
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+            process.communicate()

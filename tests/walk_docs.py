@@ -1,0 +1,268 @@
+"""A newcomer's hour, walked: every command of the README and of docs/, in the order a person meets them, run as
+written in a fresh copy of the project, each checked to exit as documented and to write what the docs say it
+writes. Commands that need what this machine has not (GPUs, several machines, Slurm, the real Cityscapes) are
+listed below as skipped, with the reason; a command in the docs that the walk does not know fails it, and so
+does a command of the walk that the docs no longer have: the two cannot drift apart.
+
+    python tests/walk_docs.py              # all of it: about 6 minutes on 2 cores (.ci/run runs it)
+    python tests/walk_docs.py --list       # the commands, in order, and what the walk does with each
+    python tests/walk_docs.py --keep DIR   # walk in DIR and leave it there, to look at what was written
+
+Where the docs allow it (arguments after ./run.sh go to main.py), the demo trains 2 epochs instead of 7.
+"""
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from types import SimpleNamespace
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SKIP_REAL = "needs the real Cityscapes in data/cityscapes, which cannot be downloaded here"
+SKIP_GPU = "needs CUDA GPUs"
+
+
+def Run(extra="", env=None, expect=(), files=(), status=0, before=None, timeout=600):
+    """A command the walk runs: `extra` appended to it, `expect` in what it prints, `files` there after it."""
+    return SimpleNamespace(skip=None, extra=extra, env=env or {}, expect=expect, files=files, status=status,
+                           before=before, timeout=timeout)
+
+
+def Skip(why):
+    return SimpleNamespace(skip=why)
+
+
+def photos(folder):
+    """Your own pictures and video frames, as predict.md's first two commands expect them in photos/ and clips/."""
+    from PIL import Image
+    import numpy as np
+    rng = np.random.default_rng(0)
+    for path, size in (("photos/street.jpg", (160, 90)), ("photos/phone/tall.png", (60, 100)),
+                       ("clips/day1/frame_0001.jpg", (128, 72)), ("clips/day1/frame_0002.jpg", (128, 72))):
+        os.makedirs(os.path.dirname(os.path.join(folder, path)), exist_ok=True)
+        Image.fromarray(rng.integers(0, 255, (size[1], size[0], 3), dtype=np.uint8)).save(os.path.join(folder, path))
+
+
+def where_things_are(folder, output):
+    """The README's block under "It ends with where things are" is what the demo printed, line for line."""
+    with open(os.path.join(folder, "README.md"), encoding="utf-8") as f:
+        readme = f.read()
+    block = readme.split("It ends with where things are:", 1)[1].split("```")[1].strip("\n").splitlines()
+    printed = output.split("Where things are:\n", 1)[1].splitlines()[:len(block)]
+    assert printed == block, "the README's list of where things are is not what the demo printed:\n" + \
+        "\n".join(printed)
+
+
+DEMO = "output/demo"
+WALK = {
+    # README.md
+    "pip install -r requirements.txt && ./run.sh": [
+        Run(extra=" --epochs 2", expect=["no Cityscapes in data/cityscapes", "done: best mIoU", "Where things are:"],
+            files=[f"{DEMO}/{name}" for name in ("checkpoint.pth", "checkpoint.prev.pth", "best.pth", "metrics.jsonl",
+                                                  "vis/epoch_001.png")] + ["data/cityscapes_synthetic/leftImg8bit/test"],
+            before="walk_readme_block"),
+        # again (the Chinese quick start): "Running ./run.sh again carries on ..., or says there is nothing to train"
+        Run(extra=" --epochs 2", expect=["nothing to train: output/demo/checkpoint.pth has finished all 2 epochs"])],
+    "pip install -r requirements-test.txt && OMP_NUM_THREADS=1 python -m pytest -q tests": Skip(
+        "the suite itself: .ci/run runs it beside this walk"),
+    "./run.sh -e --resume output/demo/best.pth": Run(expect=["wrote output/demo/eval.json"],
+                                                      files=[f"{DEMO}/eval.json", f"{DEMO}/vis/eval.png"]),
+    "python predict.py --resume output/demo/best.pth data/cityscapes_synthetic/leftImg8bit/test --output-dir "
+    "predictions": Run(expect=["wrote 20 predictions to predictions"],
+                       files=["predictions/color", "predictions/overlay", "predictions/trainIds"]),
+    "CUDA_VISIBLE_DEVICES=0,1 ./run.sh": Skip(SKIP_GPU),
+    "torchrun --standalone --nproc_per_node=2 main.py --data data/cityscapes": Skip(SKIP_REAL),
+    "python -m torch.distributed.launch --nproc_per_node=2 main.py --data data/cityscapes": Skip(SKIP_REAL),
+    "python main.py --data data/cityscapes": Skip(SKIP_REAL),
+    # docs/predict.md
+    "python predict.py --resume output/demo/best.pth photos/ --output-dir predictions/": Run(
+        before="photos", expect=["wrote 2 predictions to predictions/"],
+        files=["predictions/color/street.jpg.png", "predictions/overlay/phone/tall.png.png",
+               "predictions/trainIds/street.jpg.png"]),
+    "python predict.py --resume output/demo/best.pth 'clips/**/*.jpg' --eval-flip --eval-crop 769 --eval-stride 513":
+        Run(expect=["flip + window 769x769 stride 513x513", "wrote 2 predictions to predictions"],
+            files=["predictions/color/frame_0001.jpg.png"]),
+    "torchrun --standalone --nproc_per_node=2 predict.py --resume output/demo/best.pth "
+    "data/cityscapes_synthetic/leftImg8bit/test --format labelid --what label": Run(
+        expect=["2 process(es)", "wrote 20 predictions"],
+        files=["predictions/labelIds/berlin/berlin_000000_000019_leftImg8bit.png.png"]),
+    "python predict.py --resume output/demo/best.pth --export model.onnx": Run(expect=["wrote model.onnx"],
+                                                                               files=["model.onnx"]),
+    # docs/your-data.md
+    "python synthetic.py data/my_streets --layout folder --num-train 300 --num-val 60 --size 192 96": Run(
+        files=["data/my_streets/classes.json", "data/my_streets/masks/val"]),
+    "DATA=data/my_streets OUTPUT_DIR=output/my_streets ./run.sh --weights output/demo/best.pth --crop-size 96 "
+    "--epochs 3 -j 1": Run(expect=["its classifier, trained for 19 classes", "done: best mIoU"],
+                           files=["output/my_streets/best.pth"]),
+    # docs/tensorboard.md
+    "pip install tensorboard": Run(),
+    "OUTPUT_DIR=output/watched ./run.sh --tensorboard": Run(extra=" --epochs 1", files=["output/watched/tensorboard"],
+                                                            expect=["done: best mIoU"]),
+    "tensorboard --logdir output/watched": Skip("a server, which runs until stopped; the walk checks the event "
+                                                "files it shows (output/watched/tensorboard) instead"),
+    # docs/memory.md: no command of its own (its settings are run.sh's, tested by the suite)
+    # docs/cityscapes.md
+    'python -m venv .venv-cityscapes && .venv-cityscapes/bin/pip install cityscapesscripts "numpy<2.4"': Run(
+        files=[".venv-cityscapes/bin/csEvalPixelLevelSemanticLabeling"]),
+    "torchrun --standalone --nproc_per_node=2 main.py -e --resume output/demo/best.pth --data "
+    "data/cityscapes_synthetic --output-dir output/demo --save-predictions preds/": Run(
+        expect=["wrote output/demo/eval.json and predictions to preds/", "it replaces the earlier one"],
+        files=["preds/frankfurt_000000_000019_pred_labelIds.png"]),
+    "CITYSCAPES_DATASET=data/cityscapes_synthetic CITYSCAPES_RESULTS=preds/ CITYSCAPES_EXPORT_DIR=preds/ "
+    ".venv-cityscapes/bin/csEvalPixelLevelSemanticLabeling": Run(
+        expect=["Score Average"], files=["preds/resultPixelLevelSemanticLabeling.json"], before="same_miou"),
+    "NNODES=2 NODE_RANK=0 MASTER_ADDR=10.0.0.1 MASTER_PORT=29500 ./run.sh": Skip(
+        "needs two machines (tests/test_launch.py runs two nodes on one machine)"),
+    "NNODES=2 NODE_RANK=1 MASTER_ADDR=10.0.0.1 MASTER_PORT=29500 ./run.sh": Skip("needs two machines"),
+    # docs/troubleshooting.md, docs/options.md, docs/tests.md: no command block
+}
+SLURM = "the Slurm batch script"
+
+
+def pages(folder):
+    """README.md, then the pages its table "More, one topic a page" names, in that order; a page of docs/ it does not
+    name after them."""
+    with open(os.path.join(folder, "README.md"), encoding="utf-8") as f:
+        table = f.read().split("## More, one topic a page", 1)[1].split("\n## ", 1)[0]
+    named = re.findall(r"\| \[(docs/[\w-]+\.md)\]", table)
+    others = sorted(f"docs/{name}" for name in os.listdir(os.path.join(folder, "docs"))
+                    if name.endswith(".md") and f"docs/{name}" not in named)
+    return ["README.md", *named, *others]
+
+
+def _without_comment(line):
+    """A shell line without its trailing comment (a # after a blank, outside quotes)."""
+    quote = None
+    for i, char in enumerate(line):
+        if quote:
+            quote = None if char == quote else quote
+        elif char in "'\"":
+            quote = char
+        elif char == "#" and (i == 0 or line[i - 1].isspace()):
+            return line[:i].rstrip()
+    return line.rstrip()
+
+
+def commands(folder, page):
+    """[(command, or the SLURM marker for a Slurm script)] of a page's ```bash blocks, in order: lines joined where
+    they end in a backslash, comments and blank lines dropped, blanks squeezed."""
+    with open(os.path.join(folder, page), encoding="utf-8") as f:
+        text = f.read()
+    found = []
+    for block in re.findall(r"```bash\n(.*?)```", text, re.S):
+        if block.startswith("#!/bin/bash") and "#SBATCH" in block:
+            found.append(SLURM)
+            continue
+        for command in re.sub(r"\\\n\s*", " ", block).splitlines():
+            command = " ".join(_without_comment(command).split())
+            if command:
+                found.append(command)
+    return found
+
+
+def walk(folder):
+    """Run every command of the docs in folder (a fresh copy of the project), in order. -> [(page, command, how)]."""
+    done, said = [], {}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
+    env.pop("DEEPLAB_RUN_SH", None)
+    unknown = [(page, command) for page in pages(folder) for command in commands(folder, page)
+               if command != SLURM and command not in WALK]
+    assert not unknown, "commands in the docs that the walk does not know (add them to tests/walk_docs.py WALK):\n" \
+        + "\n".join(f"  {page}: {command}" for page, command in unknown)
+    seen = {command for page in pages(folder) for command in commands(folder, page)}
+    gone = [command for command in WALK if command not in seen]
+    assert not gone, "commands of the walk that the docs no longer have:\n" + "\n".join(gone)
+    times = {}
+    for page in pages(folder):
+        for command in commands(folder, page):
+            times[command] = times.get(command, 0) + 1
+            step = Skip("needs a Slurm cluster") if command == SLURM else _step(WALK[command], times[command])
+            if step.skip:
+                print(f"walk: {page}: skipped: {command[:90]} ({step.skip})", flush=True)
+                done.append((page, command, "skipped"))
+                continue
+            if step.before == "photos":
+                photos(folder)
+            start = time.time()
+            result = subprocess.run(["bash", "-c", command + step.extra], cwd=folder, env={**env, **step.env},
+                                    capture_output=True, text=True, timeout=step.timeout)
+            output = result.stdout + result.stderr
+            said[command] = output
+            problems = [f"exit {result.returncode}, documented {step.status}"] if result.returncode != step.status else []
+            problems += [f"does not print {text!r}" for text in step.expect if text not in output]
+            problems += [f"did not write {path}" for path in step.files if not os.path.exists(os.path.join(folder, path))]
+            if not problems and step.before == "walk_readme_block":
+                where_things_are(folder, output)
+            if not problems and step.before == "same_miou":
+                problems += same_miou(folder, output)
+            assert not problems, f"{page}: {command + step.extra}: " + "; ".join(problems) + f"\n{output[-3000:]}"
+            print(f"walk: {page}: ran in {time.time() - start:.0f} s: {command[:90]}", flush=True)
+            done.append((page, command, f"{time.time() - start:.0f} s"))
+    return done
+
+
+def _step(steps, time):
+    """A command's step the time-th time the docs give it: one step for every time, or a list, its last repeated."""
+    return steps if not isinstance(steps, list) else steps[min(time, len(steps)) - 1]
+
+
+def same_miou(folder, output):
+    """The official evaluation's "Score Average" IoU is main.py's mIoU of the same predictions (eval.json)."""
+    import json
+    with open(os.path.join(folder, DEMO, "eval.json")) as f:
+        ours = json.load(f)["miou"]
+    official = float(re.search(r"Score Average : (\S+)", output)[1])
+    return [] if abs(official - ours) < 5e-4 else [f"the official mIoU {official} is not main.py's {ours:.4f}"]
+
+
+def copy_project(target):
+    """The project as a fresh clone has it: the files git knows (tracked, or new and not ignored)."""
+    listed = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, capture_output=True, text=True,
+                            check=True).stdout.splitlines()
+    for name in listed:
+        source = os.path.join(ROOT, name)
+        if os.path.isfile(source):
+            os.makedirs(os.path.dirname(os.path.join(target, name)), exist_ok=True)
+            shutil.copy2(source, os.path.join(target, name))
+
+
+def main():
+    parser = argparse.ArgumentParser(prog="tests/walk_docs.py", description=__doc__.split("\n")[0])
+    parser.add_argument("--list", action="store_true", help="the commands in order and what the walk does with each")
+    parser.add_argument("--keep", metavar="DIR", help="walk in DIR (new or empty) and leave it there")
+    args = parser.parse_args()
+    if args.list:
+        times = {}
+        for page in pages(ROOT):
+            for command in commands(ROOT, page):
+                times[command] = times.get(command, 0) + 1
+                step = Skip("needs a Slurm cluster") if command == SLURM else \
+                    _step(WALK[command], times[command]) if command in WALK else None
+                how = "UNKNOWN to the walk" if step is None else f"skipped: {step.skip}" if step.skip else \
+                    f"run{' with' + step.extra if step.extra else ''}"
+                print(f"{page}: {command}\n    {how}")
+        return
+    folder = args.keep or tempfile.mkdtemp(prefix="walk_docs-")
+    if args.keep:
+        os.makedirs(folder, exist_ok=True)
+        if os.listdir(folder):
+            sys.exit(f"walk_docs.py: error: --keep {folder} is not empty: give a new or empty folder")
+    start = time.time()
+    try:
+        copy_project(folder)
+        done = walk(folder)
+    except AssertionError as error:
+        sys.exit(f"walk_docs.py: FAILED: {error}")
+    finally:
+        if not args.keep:
+            shutil.rmtree(folder, ignore_errors=True)
+    ran = sum(1 for _, _, how in done if how != "skipped")
+    print(f"walk_docs.py: {ran} commands ran as documented, {len(done) - ran} skipped (reasons above), in "
+          f"{time.time() - start:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
