@@ -47,7 +47,8 @@ def state(model, optimizer, scaler, args, world_size, classes, epoch, step, best
 
 
 def _to_cpu(value):
-    """The same nested data with every tensor on the CPU: copied once, then digested and saved."""
+    """The same nested data with every tensor on the CPU (a GPU's copied once; the CPU's as they are), to be
+    digested and saved."""
     if isinstance(value, torch.Tensor):
         return value.detach().cpu()
     if isinstance(value, dict):
@@ -141,8 +142,11 @@ def save(state, path, keep_previous=False):
     except (OSError, RuntimeError) as error:  # torch.save reports a failed write as a RuntimeError
         folder = os.path.dirname(os.path.abspath(path))
         kept = os.path.isfile(path)
+        # Without a checkpoint, what the epoch wrote before it (its metrics line, best.pth) is a run of its own that
+        # the same command would refuse to replace: --overwrite puts it aside.
+        again = "./run.sh --overwrite" if paths.named("--output-dir") == "OUTPUT_DIR" else "the same command with --overwrite"
         then = (f"{path} is the last one written. Free space; then, to resume, {paths.resume_advice()}" if kept else
-                "no checkpoint was kept. Free space, then run the same command again")
+                f"no checkpoint was kept. Free space, then start again: {again} (what this epoch wrote is put aside)")
         fail(f"cannot write {path} ({getattr(error, 'strerror', None) or first_line(error)}; "
              f"{shutil.disk_usage(folder).free / 2**20:.0f} MiB free there): {then}")
 

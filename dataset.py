@@ -20,7 +20,6 @@ import argparse
 import contextlib
 import glob
 import json
-import math
 import multiprocessing
 import os
 import sys
@@ -534,14 +533,16 @@ def open_datasets(args, crop_size, world_size):
     if world_size > len(val_set):
         in_all = " in all (NPROC x NNODES)" if under_run_sh else ""
         fail(f"{world_size} processes but only {len(val_set)} val images: use at most {len(val_set)} processes{in_all}")
-    share = math.ceil(len(train_set) / world_size)  # DistributedSampler's, padded
     accum_steps = getattr(args, "accum_steps", 1)
-    if not args.evaluate and share < args.batch_size * accum_steps:  # not one optimizer step an epoch
+    global_batch = args.batch_size * world_size * accum_steps
+    if not args.evaluate and global_batch > len(train_set):  # not one optimizer step an epoch
         # run.sh chooses -b (and --accum-steps) itself: the user sets them after ./run.sh.
-        smaller = f"./run.sh -b {share}" if under_run_sh else f"--batch-size {share}"
-        what = f"--batch-size {args.batch_size}" + (f" x --accum-steps {accum_steps}" if accum_steps > 1 else "")
-        fail(f"{what} is more than a process's share of the {len(train_set)} training images ({share} with "
-             f"{world_size} process(es)): give {smaller} or less" + (" with --accum-steps 1" if accum_steps > 1 else ""))
+        most = max(1, len(train_set) // (world_size * accum_steps))
+        smaller = f"./run.sh -b {most}" if under_run_sh else f"--batch-size {most}"
+        what = f"--batch-size {args.batch_size} x {world_size} process(es)" + (
+            f" x --accum-steps {accum_steps}" if accum_steps > 1 else "")
+        fail(f"{what} makes a global batch of {global_batch}, more than the {len(train_set)} training images: give "
+             f"{smaller} or less" + (" (or fewer --accum-steps)" if accum_steps > 1 else ""))
     return train_set, val_set
 
 

@@ -135,8 +135,9 @@ def criterion(logits, labels):
 
 def seed_step(seed, epoch, step, place):
     """Seed the random numbers a forward draws (dropout) from its position alone: an uninterrupted run and a
-    resumed one then draw the same numbers. place: the micro-batch's place in the global batch (rank x
-    --accum-steps + micro-step), so that a micro-batch draws the same numbers on any layout of the batch."""
+    resumed one then draw the same numbers. place: the batch's place in the global batch (rank x --accum-steps +
+    the batch's number in its step): one process accumulating two batches draws for them what two processes
+    draw for one each."""
     torch.manual_seed(int(np.random.SeedSequence([seed, epoch, step, place]).generate_state(1)[0]))
 
 
@@ -180,7 +181,7 @@ def train_one_epoch(model, optimizer, scaler, loader, device, epoch, first_step,
         loss = torch.zeros((), device=device)
         for micro_step in range(args.accum_steps):
             waited = time.time()
-            images, labels = next(batches)  # the time spent here is data wait: the GPU has nothing to do
+            images, labels = next(batches)  # the loop waits for data here (a GPU may still run queued work)
             waited = time.time() - waited
             data_wait += waited
             window_wait += waited
@@ -214,8 +215,8 @@ def train_one_epoch(model, optimizer, scaler, loader, device, epoch, first_step,
             now = time.time()
             images_per_s = window_steps * images_per_step / (now - window_start)
             eta = (now - start) / steps * (steps_per_epoch - step - 1 + (args.epochs - epoch - 1) * steps_per_epoch)
-            # Step time and, within it, the wait for data (as torchvision's MetricLogger shows them): a data time
-            # near the step time means the GPU starves.
+            # Step time and, within it, the wait for data (as the MetricLogger of torchvision's reference scripts
+            # shows them): a data time near the step time means the GPU starves.
             log(f"epoch {epoch} step {step + 1}/{steps_per_epoch} loss {mean_loss:.4f} lr {lr:.5f} "
                 f"{images_per_s:.1f} img/s time {(now - window_start) / window_steps:.3f} s (data "
                 f"{window_wait / window_steps:.3f} s) eta {timedelta(seconds=round(eta))} peak mem "
@@ -244,9 +245,10 @@ def train_one_epoch(model, optimizer, scaler, loader, device, epoch, first_step,
 
 def sync_buffers(model):
     """Give every rank rank 0's buffers (BatchNorm running statistics), so that every rank evaluates the model rank
-    0 saves. DDP broadcasts rank 0's buffers at the start of each training forward, and each rank's forward then
-    updates them with its own batch: after the last step every rank holds rank 0's statistics moved by its own
-    last batch. (SyncBatchNorm on CUDA moves them alike on every rank; plain BatchNorm on the CPU does not.)"""
+    0 saves. DDP broadcasts rank 0's buffers at the start of a training forward that follows one outside no_sync
+    (each forward without --accum-steps; the first batch of each step with it), and each rank's forwards then move
+    them with its own batches: after the last step every rank holds rank 0's statistics moved by its own last
+    batches. (SyncBatchNorm on CUDA moves them alike on every rank; plain BatchNorm on the CPU does not.)"""
     if dist.is_initialized():
         for buffer in model.buffers():
             dist.broadcast(buffer, src=0)
@@ -354,8 +356,9 @@ def main(args):
     if args.check_only:
         return
 
-    # Step 1 (continued): the GPU this process drives, local_rank (parsed in get_args_parser). Before
-    # init_process_group, so that NCCL sets up on this GPU, not on GPU 0 for every rank.
+    # Step 1 (continued): the GPU this process drives, local_rank (parsed in get_args_parser). Before anything
+    # touches CUDA: this process's CUDA context, its "cuda" tensors and NCCL's work then go to its own GPU, not
+    # all to GPU 0.
     local_rank = args.local_rank
     use_cuda = torch.cuda.is_available()
     if use_cuda:
@@ -390,7 +393,7 @@ def main(args):
     if sync_bn and world_size > 1:
         # Batch statistics over the global batch, not over each GPU's 2-8 images: segmentation batches per GPU
         # are small, and BatchNorm on them is noisy. Not on the CPU: DDP refuses SyncBatchNorm there. Not with
-        # one process, where it is plain BatchNorm (and ASPP's pooling BatchNorm keeps its case of one image).
+        # one process: on a GPU it is then plain BatchNorm, and ASPP's pooling BatchNorm keeps its case of one image.
         model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
     model_without_ddp = model
     if distributed:
@@ -420,7 +423,7 @@ def main(args):
     # queueing the step's work while the copy runs. persistent_workers: training keeps its workers from
     # epoch to epoch; evaluation's exist only while it runs.
     workers = args.workers if args.workers is not None else default_workers()  # dataset.py
-    loader_args = dict(num_workers=workers, pin_memory=use_cuda, worker_init_fn=recovery.ignore_sigint)
+    loader_args = dict(num_workers=workers, pin_memory=use_cuda, worker_init_fn=recovery.worker_init)
     train_loader = DataLoader(run.train_set, batch_size=args.batch_size, shuffle=False, sampler=resumable,
                               drop_last=True, persistent_workers=workers > 0, **loader_args)
     val_shard = eval_shard(len(run.val_set), rank, world_size)
@@ -445,10 +448,12 @@ def main(args):
 def train(args, run, model, model_without_ddp, optimizer, scaler, train_loader, val_loader, train_sampler,
           resumable, position, device):
     """The epochs: train, evaluate, record (rank 0), and stop together when something asks."""
-    # Optimizer steps: the position, the schedule and --epochs count them. (len: before a resumed epoch's skip;
-    # a last batch or two that make no whole step are left out, as drop_last leaves out a partial batch.)
-    steps_per_epoch = len(train_loader) // args.accum_steps
+    # Optimizer steps: the position, the schedule and --epochs count them. An epoch has as many as the training set
+    # holds global batches (-b x processes x --accum-steps), the same on every layout of that batch; every rank's
+    # share (DistributedSampler's, padded) holds at least that many. What makes no whole step is left out, as
+    # drop_last leaves out a partial batch.
     world_size = get_world_size()
+    steps_per_epoch = len(run.train_set) // (args.batch_size * world_size * args.accum_steps)
     checkpoint_path = os.path.join(args.output_dir, "checkpoint.pth")
     if is_main_process():
         checkpoints.continue_run_at(args, run.start, position)  # metrics from here; a rewind keeps what it drops

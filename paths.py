@@ -273,6 +273,30 @@ def _refuse(args, holder):
                f"{named('--output-dir')}" + (" (-e writes eval.json there)" if args.evaluate else ""))
 
 
+def _lock(fd, path, args):
+    """flock, not waiting; except for a torchrun restart whose own job's earlier attempt still holds it (its machine
+    lost: a network filesystem frees the lock when the machine's lease runs out), which waits for it up to
+    --dist-timeout, saying so."""
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0
+    deadline = time.time() + 60 * getattr(args, "dist_timeout", 5.0)
+    said = False
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            holder = _holder(path) or {}
+            if not (restarted and run_id and holder.get("run_id") == run_id) or time.time() > deadline:
+                raise
+            if not said:
+                print(f"note: {args.output_dir} is still held by this job's attempt before the restart (host "
+                      f"{holder.get('host')}, process {holder.get('pid')}): waiting for it to be let go, up to "
+                      "--dist-timeout", flush=True)
+                said = True
+            time.sleep(2)
+
+
 def hold_output(args):
     """One folder, one run: global rank 0 of a run (training or -e) holds --output-dir for its whole life through an
     advisory lock (flock) on OUTPUT_DIR/.held, and writes who it is there. Another run that would write there is
@@ -306,7 +330,7 @@ def hold_output(args):
             fail(f"{named('--output-dir')} {args.output_dir} cannot be written ({error.strerror or error}): choose a "
                  "folder you can write to")
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            _lock(fd, path, args)
         except BlockingIOError:
             os.close(fd)
             _refuse(args, _holder(path))
@@ -337,6 +361,14 @@ def hold_output(args):
     except OSError as error:
         fail(f"{named('--output-dir')} {args.output_dir} cannot be written ({error.strerror or error}): free space "
              "there, or choose another folder")
+
+
+def forget_hold():
+    """In a forked child (a DataLoader worker): close this process's copy of the lock's descriptor. The parent's
+    still holds it; the child's would hold it on after the parent was killed."""
+    if _hold["fd"] is not None:
+        os.close(_hold["fd"])
+        _hold.update(fd=None, path=None)
 
 
 def release_output():

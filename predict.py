@@ -200,7 +200,7 @@ def predict_all(args, model, classes, shard, mode, device, autocast, label_folde
     """Predict this rank's images and write their files. -> (images written, images that could not be read)."""
     workers = args.workers if args.workers is not None else default_workers()
     loader = DataLoader(ImageFiles([path for path, _ in shard]), batch_size=None, num_workers=workers,
-                        pin_memory=device.type == "cuda", worker_init_fn=recovery.ignore_sigint)
+                        pin_memory=device.type == "cuda", worker_init_fn=recovery.worker_init)
     palette = records.palette(classes["colors"])
     writer = concurrent.futures.ThreadPoolExecutor(max_workers=2)
     writes, done, failed, world_size = [], 0, 0, recovery.get_world_size()

@@ -149,6 +149,8 @@ def write_eval(args, result, sample, colors):
 
 def say_where_things_are(args, best_miou):
     """The end of training: the best mIoU, then each file the run wrote and what it is (the README shows this)."""
+    if not is_main_process():
+        return
     out = args.output_dir
     files = [("checkpoint.pth", "the last epoch: model, optimizer, GradScaler, position; run again to go on"),
              ("checkpoint.prev.pth", "the one before it, kept in case checkpoint.pth is damaged"),
@@ -159,7 +161,7 @@ def say_where_things_are(args, best_miou):
     found = [(os.path.join(out, name), what) for name, what in files if os.path.exists(os.path.join(out, name))]
     if args.save_predictions:
         found.append((args.save_predictions.rstrip("/") + "/", "the last epoch's val predictions"))
-    width = max(len(path) for path, _ in found)
+    width = max((len(path) for path, _ in found), default=0)
     best = f"{best_miou:.4f}" if math.isfinite(best_miou) else "undefined (no val pixel of any class)"
     log(f"done: best mIoU {best}. Where things are:\n" + "\n".join(f"  {path:<{width}}  {what}" for path, what in found))
 

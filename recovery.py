@@ -93,6 +93,10 @@ def guard(program, output_dir=None, args=None):
     _state.args = args
     _state.started = time.time()
     _exit_if_stopped_before()
+    if stop_signal() is not None:  # run.sh passed a stop on while this worker started (and torchrun started it again)
+        log(f"{program}: stopped before it began its work (a stop was asked for while it started): nothing changed. "
+            f"To go on, {paths.resume_advice()}")
+        sys.exit(0)
     try:
         yield
     except UserError as error:
@@ -115,7 +119,9 @@ def guard(program, output_dir=None, args=None):
             os._exit(1)  # the rank that met it said why; not sys.exit: a broken process group can hang
         checkpoint = os.path.join(output_dir, "checkpoint.pth") if output_dir else None
         last = ""
-        if checkpoint and os.path.isfile(checkpoint):
+        if getattr(args, "evaluate", False):
+            last = " Run the same command again to evaluate"
+        elif checkpoint and os.path.isfile(checkpoint):
             last = f" The last checkpoint: {checkpoint}; {paths.resume_advice()}"
         elif checkpoint:
             last = " No checkpoint was written yet: run the same command again to start over"
@@ -146,15 +152,21 @@ _PHASES = {"train_one_epoch": "a training step", "evaluate": "the evaluation", "
 
 
 def memory_figures():
-    """(this process's device, its memory in GiB, the peak this process reached in GiB): a GPU's total and peak
-    allocated, or the machine's memory and this process's peak resident set."""
+    """(this process's device, its memory in GiB, the peak this process reached in GiB, as the log shows it: a
+    GPU's peak allocated, or the CPU's peak resident set)."""
+    import records  # (records imports this module)
     if torch.cuda.is_available():
-        device = torch.cuda.current_device()
-        return (f"GPU {device}", torch.cuda.get_device_properties(device).total_memory / 2**30,
-                torch.cuda.max_memory_allocated(device) / 2**30)
-    import resource
+        device = torch.device("cuda", torch.cuda.current_device())
+        total = torch.cuda.get_device_properties(device).total_memory
+        return f"GPU {device.index}", total / 2**30, records.peak_memory_gib(device)
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return "the CPU", total / 2**30, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    return "the CPU", total / 2**30, records.peak_memory_gib(torch.device("cpu"))
+
+
+def _less_precise():
+    """The --amp to try: bf16, or fp16 on a GPU without bf16 of its own (T4, V100, RTX 20xx emulate it, slowly)."""
+    native_bf16 = not torch.cuda.is_available() or torch.cuda.is_bf16_supported(including_emulation=False)
+    return "--amp bf16" if native_bf16 else "--amp fp16"
 
 
 def _smaller_batch(batch, accum_steps):
@@ -176,7 +188,7 @@ def out_of_memory(error):
     precision = getattr(args, "amp", None) or "fp32"
     crop = getattr(args, "eval_crop", None)
     window = f"in windows of {crop[0]}x{crop[-1]} (--eval-crop)" if crop else "whole, at full resolution"
-    tries = [] if getattr(args, "amp", None) else ["--amp bf16"]
+    tries = [] if getattr(args, "amp", None) else [_less_precise()]
     if phase == "a training step":
         height, width = (args.crop_size * 2)[:2]
         settings = f"-b {args.batch_size} per process x --accum-steps {args.accum_steps}, crop {height}x{width}"
@@ -242,9 +254,10 @@ def _stop(message, say_it):
             for path in _stop_files():
                 try:
                     os.makedirs(os.path.dirname(path), exist_ok=True)
-                    with open(path + ".tmp", "w") as f:
+                    temporary = f"{path}.{os.getpid()}.tmp"  # ranks that fail together each write their own
+                    with open(temporary, "w") as f:
                         json.dump(record, f)
-                    os.replace(path + ".tmp", path)
+                    os.replace(temporary, path)
                     break
                 except OSError:
                     pass  # nowhere to write: restarts may repeat the line, nothing worse
@@ -318,11 +331,13 @@ def stop_signal():
     return _state.signal
 
 
-def ignore_sigint(worker_id):
-    """DataLoader workers' init: a Ctrl-C in a terminal reaches every process of the group, the workers too;
+def worker_init(worker_id):
+    """DataLoader workers' init. A Ctrl-C in a terminal reaches every process of the group, the workers too;
     they leave it to the training process, which must still read the batch in flight. (SIGTERM stays fatal
-    for them: multiprocessing uses it to end them when the training process exits.)"""
+    for them: multiprocessing uses it to end them when the training process exits.) And a forked worker lets go
+    of its copy of the --output-dir lock, which would otherwise hold the folder after its parent was killed."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    paths.forget_hold()
 
 
 # --- a lost peer ------------------------------------------------------------------------------------------
@@ -496,6 +511,11 @@ def waiting_for_peers(minutes, after_s=5.0, every_s=60.0):
         thread.start()
     try:
         yield
+    except dist.DistError as error:  # the wait ran out (the store says how many came), or the address is not there
+        fail(f"the {os.environ.get('WORLD_SIZE', '?')} processes did not all meet at {where} within "
+             f"{time.time() - started:.0f} s ({paths.first_line(error)}): start every rank, 0 to WORLD_SIZE-1, with "
+             "the same MASTER_ADDR and MASTER_PORT, reachable from each (a firewall, another network interface?)",
+             this_rank=True)
     finally:
         done.set()
 

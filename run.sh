@@ -56,7 +56,10 @@ CORES=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)  # (nproc alone counts
 if [ "${CUDA_VISIBLE_DEVICES-unset}" = "" ]; then
   NGPU=0  # GPUs hidden on purpose: no need to start Python to count them
 else
-  NGPU=$("$PYTHON" -c "import torch; print(torch.cuda.device_count())")
+  # (Python ignores a Ctrl-C here, run.sh says it stopped: no KeyboardInterrupt traceback from importing torch)
+  trap 'echo "run.sh: stopped while counting the GPUs; nothing was started" >&2; exit 130' INT TERM
+  NGPU=$(trap '' INT; "$PYTHON" -c "import torch; print(torch.cuda.device_count())")
+  trap - INT TERM
 fi
 if [ "$NGPU" -gt 0 ]; then
   NPROC=${NPROC:-$NGPU}
@@ -149,10 +152,13 @@ forward() {
   if [ "$SIGNALS" -eq 1 ] && pgrep -P "$LAUNCHER" >/dev/null; then
     echo "run.sh: got SIG$1: the workers save a checkpoint at the end of this step and stop (again to stop at once)"
     { echo "$1" > "$DEEPLAB_STOP_FILE"; } 2>/dev/null || true   # (the workers that run get the signal itself)
-    pkill "-$1" -P "$LAUNCHER" || true   # torchrun's children: the workers
+    # SIGTERM to torchrun's children, the workers, also for a Ctrl-C: one still starting (importing torch, before
+    # its handlers) ends quietly, where SIGINT would print a KeyboardInterrupt traceback; a restarted one reads the
+    # stop file and ends at once. Once training, they take SIGTERM as they take Ctrl-C.
+    pkill -TERM -P "$LAUNCHER" || true
   else
-    # A second signal; or no worker yet (torchrun waits for the other nodes, or starts them): nothing to save.
-    [ "$SIGNALS" -gt 1 ] || echo "run.sh: got SIG$1 before any worker started: stopping torchrun; nothing was trained"
+    # A second signal; or no worker running (torchrun waits for the other nodes, or between restarts).
+    [ "$SIGNALS" -gt 1 ] || echo "run.sh: got SIG$1 while no worker ran: stopping torchrun; what was saved stays"
     { echo "$1" > "$DEEPLAB_STOP_FILE"; } 2>/dev/null || true
     kill -TERM "$LAUNCHER" 2>/dev/null || true
   fi

@@ -302,17 +302,33 @@ def test_the_data_set_is_never_where_the_run_writes(tiny_data, previous_run, cap
 
 def test_the_advice_after_a_stop_continues_the_run_instead_of_starting_over(tiny_data, trained, tmp_path,
                                                                               monkeypatch, capsys):
+    import dataset
+    import recovery
+    import signal
     out = str(tmp_path / "out")
     shutil.copytree(trained, out)
-    stop = tmp_path / "stop"
-    stop.write_text("TERM")  # run.sh writes the first signal here: a worker still starting then learns it
-    monkeypatch.setenv("DEEPLAB_STOP_FILE", str(stop))
+    read = dataset.SegmentationFiles.__getitem__
+
+    def signal_at_the_first_read(self, index):  # SIGTERM during the first step: the ranks stop one step later
+        if self.crop_size is not None and recovery._state.signal is None:
+            recovery._on_signal(signal.SIGTERM, None)
+        return read(self, index)
+    monkeypatch.setattr(dataset.SegmentationFiles, "__getitem__", signal_at_the_first_read)
     common = ["--data", tiny_data, "--output-dir", out, *TRAIN_ARGS, "--epochs", "2"]
     best = os.path.join(out, "best.pth")
     main.main(main.get_args_parser().parse_args(common + ["--resume", best]))
     said = capsys.readouterr().out
     assert "stopped by signal 15 at epoch 1 step 2/4" in said, said
     assert f"run the same command with --resume auto in place of --resume {best}" in said, said
+    monkeypatch.setattr(dataset.SegmentationFiles, "__getitem__", read)
+    stop = tmp_path / "stop"
+    stop.write_text("TERM")  # run.sh writes the first signal here: a worker started (again) after it ends at once
+    monkeypatch.setenv("DEEPLAB_STOP_FILE", str(stop))
+    before = _snapshot(out)
+    with pytest.raises(SystemExit) as exit_info:
+        main.main(main.get_args_parser().parse_args(common + ["--resume", "auto"]))
+    said = capsys.readouterr().out
+    assert exit_info.value.code == 0 and "stopped before it began its work" in said and _snapshot(out) == before, said
     monkeypatch.delenv("DEEPLAB_STOP_FILE")
     main.main(main.get_args_parser().parse_args(common + ["--resume", "auto"]))  # the advice, followed
     said = capsys.readouterr().out

@@ -291,7 +291,7 @@ def test_bad_input_found_before_training_with_one_clear_line(case, tiny_data, tm
     elif case == "more ranks than val images":
         args, expect = ["--check-only", "6"], "6 processes but only 5 val images"
     elif case == "batch larger than a share":
-        args, expect = args + ["-b", "8"], "--batch-size 8 is more than a process's share"
+        args, expect = args + ["-b", "8"], "--batch-size 8 x 2 process(es) makes a global batch of 16, more than"
     elif case == "sync-bn on cpu":
         args, expect = args + ["--sync-bn"], "--sync-bn needs CUDA"
     elif case == "fp16 on cpu":

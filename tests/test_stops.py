@@ -63,7 +63,8 @@ def test_a_stop_while_a_checkpoint_is_written_keeps_it_whole(tiny_data, tmp_path
     save = torch.save
 
     def signal_in_the_middle(state, f, *args, **kwargs):
-        recovery._on_signal(signal.SIGTERM, None)  # arrives while the bytes are written
+        if recovery._state.signal is None:  # one signal, as the first file is written (a second would stop at once)
+            recovery._on_signal(signal.SIGTERM, None)
         return save(state, f, *args, **kwargs)
     monkeypatch.setattr(torch, "save", signal_in_the_middle)
     _train(common)
@@ -127,7 +128,7 @@ def test_waits_for_other_nodes_and_processes_say_what_they_wait_for(tiny_data, t
         **CPU_ENV, "DATA": tiny_data, "OUTPUT_DIR": str(tmp_path / "nodes"), "NPROC": "1", "NNODES": "2",
         "NODE_RANK": "0", "MASTER_PORT": port, "RDZV_ID": f"wait{port}"})
     rank0 = _start_in_its_own_group([sys.executable, "main.py", "--data", tiny_data, "--output-dir",
-                                     str(tmp_path / "alone"), "--epochs", "1", "--dist-timeout", "2", *TRAIN_ARGS],
+                                     str(tmp_path / "alone"), "--epochs", "1", "--dist-timeout", "0.25", *TRAIN_ARGS],
                                     {**CPU_ENV, "RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0",
                                      "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": alone_port})
     try:
@@ -140,12 +141,17 @@ def test_waits_for_other_nodes_and_processes_say_what_they_wait_for(tiny_data, t
                "torchrun gives up at" in seen[-1] and "(JOIN_TIMEOUT=600 s)" in seen[-1], "".join(seen)
         node.send_signal(signal.SIGTERM)  # as a scheduler would, to run.sh: nothing to save, torchrun stops
         rest = node.communicate(timeout=60)[0]
-        assert "got SIGTERM before any worker started: stopping torchrun; nothing was trained" in rest, rest
+        assert "got SIGTERM while no worker ran: stopping torchrun; what was saved stays" in rest, rest
         for line in rank0.stdout:
             if "waiting" in line:
                 break
         assert (f"main.py: rank 0: waiting 5 s for the 2 processes to meet at 127.0.0.1:{alone_port} (the process "
-                "group); it gives up at") in line and "(--dist-timeout 2 min)" in line, line
+                "group); it gives up at") in line and "(--dist-timeout 0.25 min)" in line, line
+        rest = rank0.communicate(timeout=60)[0]  # and at that time it does, in one line
+        errors = [line for line in rest.splitlines() if "error:" in line]
+        assert rank0.returncode == 1 and "Traceback" not in rest and len(errors) == 1, rest
+        assert errors[0].startswith(f"main.py: error: rank 0: the 2 processes did not all meet at 127.0.0.1:"
+                                    f"{alone_port} within 1"), errors[0]
     finally:
         for process in (node, rank0):
             if process.poll() is None:

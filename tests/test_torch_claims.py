@@ -22,7 +22,8 @@ from conftest import ROOT
 RECORDER = """import json, os, sys
 count = os.environ.get("TORCHELASTIC_RESTART_COUNT")
 with open(os.path.join(os.environ["RECORD_TO"], f"attempt{count}.json"), "w") as f:
-    json.dump({"argv": sys.argv[1:], "LOCAL_RANK": os.environ.get("LOCAL_RANK"), "restarts": count}, f)
+    json.dump({"argv": sys.argv[1:], "LOCAL_RANK": os.environ.get("LOCAL_RANK"), "restarts": count,
+               "RANK": os.environ.get("RANK"), "WORLD_SIZE": os.environ.get("WORLD_SIZE")}, f)
 sys.exit(1 if count == "0" else 0)  # the first attempt fails: does the launcher start it again?
 """
 
@@ -40,17 +41,21 @@ def launched(tmp_path_factory):
         out.mkdir()
         runs[name] = subprocess.Popen([sys.executable, "-m", module, "--standalone", "--nproc_per_node=1",
                                        "--max-restarts=1", str(script), "--mine"], cwd=ROOT, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1",
+                                      stderr=subprocess.STDOUT, text=True, env={**os.environ, "OMP_NUM_THREADS": "1",
                                                                      "RECORD_TO": str(out)})
-    for process in runs.values():
-        process.communicate(timeout=120)
+    said = {name: process.communicate(timeout=120)[0] for name, process in runs.items()}
     return {name: [json.loads(path.read_text()) for path in sorted((folder / name).glob("attempt*.json"))]
-            for name in runs}
+            for name in runs} | {"said": said}
 
 
 def test_torchrun_sets_local_rank_in_the_environment_and_passes_no_argument(launched):
     first = launched["torchrun"][0]
     assert first["LOCAL_RANK"] == "0" and first["argv"] == ["--mine"]  # the script's own arguments, no more
+
+
+def test_the_launchers_set_rank_and_world_size(launched):
+    assert all((first[0]["RANK"], first[0]["WORLD_SIZE"]) == ("0", "1")
+               for first in (launched["torchrun"], launched["launch"]))
 
 
 def test_torchrun_restarts_every_worker_after_a_failure_and_counts_the_restarts(launched):
@@ -60,6 +65,7 @@ def test_torchrun_restarts_every_worker_after_a_failure_and_counts_the_restarts(
 def test_torch_distributed_launch_passes_local_rank_with_a_dash(launched):
     first = launched["launch"][0]
     assert first["argv"] == ["--local-rank=0", "--mine"] and first["LOCAL_RANK"] == "0"
+    assert "FutureWarning" in launched["said"]["launch"] and "deprecated" in launched["said"]["launch"]
 
 
 # --- process groups, samplers, loaders ----------------------------------------------------------------------------
@@ -72,6 +78,17 @@ def test_process_groups_time_out_after_30_minutes_with_gloo_and_10_with_nccl_by_
 def test_distributed_sampler_pads_every_share_to_one_length_by_repeating_indices():
     shares = [list(DistributedSampler(range(5), num_replicas=2, rank=rank, shuffle=False)) for rank in (0, 1)]
     assert shares == [[0, 2, 4], [1, 3, 0]]  # 5 images, 2 ranks: index 0 twice, every rank 3 steps of 1
+
+
+def test_a_dataloader_takes_a_sampler_or_shuffle_not_both():
+    with pytest.raises(ValueError, match="mutually exclusive"):
+        DataLoader(range(3), shuffle=True, sampler=[0, 1, 2])
+
+
+def test_distributed_sampler_seeds_its_shuffle_with_seed_plus_epoch():
+    sampler = DistributedSampler(range(20), num_replicas=2, rank=0, shuffle=True, seed=3)
+    sampler.set_epoch(1)
+    assert list(sampler) == list(DistributedSampler(range(20), num_replicas=2, rank=0, shuffle=True, seed=4))
 
 
 def test_without_set_epoch_every_epoch_has_the_same_order():
@@ -137,6 +154,39 @@ def _ddp_claims(rank, world_size, tmp):
     ddp_net(inputs).sum().backward()
     seen["grad_after_sync"] = net.weight.grad.clone().tolist()
 
+    # With accumulation: a forward under no_sync leaves the next one without the broadcast.
+    ddp(x).sum().backward()
+    with ddp.no_sync():
+        seen["broadcast_in_no_sync_after_a_synced_step"] = broadcasts(lambda: ddp(x).sum().backward())
+    seen["broadcast_after_a_no_sync_forward"] = broadcasts(lambda: ddp(x).sum().backward())
+    seen["state_dict_keys_of_the_wrapper"] = sorted({key.split(".")[0] for key in ddp.state_dict()})
+
+    # find_unused_parameters: without it, a parameter that gets no gradient stops the next step.
+    class Unused(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.used, self.unused = torch.nn.Linear(2, 1), torch.nn.Linear(2, 1)
+
+        def forward(self, x):
+            return self.used(x)
+    for find in (False, True):
+        torch.manual_seed(0)
+        unused = DDP(Unused(), find_unused_parameters=find)
+        try:
+            for _ in range(2):
+                unused(torch.ones(1, 2)).sum().backward()
+            seen[f"unused_parameters_train_{find}"] = True
+        except RuntimeError:
+            seen[f"unused_parameters_train_{find}"] = False
+
+    # SyncBatchNorm in a group of one process, on the CPU: refused (its device check comes first).
+    groups = [dist.new_group([r]) for r in range(world_size)]  # (every rank makes every group)
+    try:
+        torch.nn.SyncBatchNorm(2, process_group=groups[rank]).train()(torch.randn(2, 2, 3, 3))
+        seen["sync_batchnorm_group_of_one_on_cpu"] = "ran"
+    except ValueError as error:
+        seen["sync_batchnorm_group_of_one_on_cpu"] = str(error)
+
     # DDP on a CPU module: device_ids must be None, and SyncBatchNorm is refused.
     try:
         DDP(torch.nn.Linear(2, 2), device_ids=[0])
@@ -193,6 +243,26 @@ def test_without_gradients_ddp_broadcasts_buffers_at_the_first_forward_only(ddp_
     assert ddp_seen["first_no_grad_forward_broadcasts"] and not ddp_seen["second_no_grad_forward_broadcasts"]
 
 
+def test_after_a_forward_under_no_sync_the_next_forward_broadcasts_no_buffers(ddp_seen):
+    # so with --accum-steps N the buffers are broadcast once a step, at its first batch
+    assert ddp_seen["broadcast_in_no_sync_after_a_synced_step"]
+    assert not ddp_seen["broadcast_after_a_no_sync_forward"]
+
+
+def test_a_ddp_models_state_dict_keys_start_with_module(ddp_seen):
+    assert ddp_seen["state_dict_keys_of_the_wrapper"] == ["module"]
+
+
+def test_without_find_unused_parameters_a_parameter_without_gradient_stops_training(ddp_seen):
+    assert not ddp_seen["unused_parameters_train_False"] and ddp_seen["unused_parameters_train_True"]
+    import inspect
+    assert inspect.signature(DDP).parameters["find_unused_parameters"].default is False
+
+
+def test_sync_batchnorm_in_a_group_of_one_on_the_cpu_is_refused(ddp_seen):
+    assert "expected input tensor to be on GPU" in ddp_seen["sync_batchnorm_group_of_one_on_cpu"]
+
+
 def test_no_sync_keeps_each_ranks_gradient_and_the_next_backward_averages_the_sums(ddp_seen):
     # Rank r's input is r + 1: rank 1's own gradient (2s) inside no_sync; after the next backward, outside it,
     # the average of each rank's sum: ((1 + 1) + (2 + 2)) / 2 = 3.
@@ -221,7 +291,7 @@ def test_convert_sync_batchnorm_replaces_a_batchnorm_subclass_with_a_plain_syncb
     assert type(converted[0]) is torch.nn.SyncBatchNorm  # the subclass's own forward is gone
 
 
-def test_sync_batchnorm_without_a_group_of_several_processes_is_plain_batchnorm():
+def test_sync_batchnorm_without_a_process_group_is_plain_batchnorm():
     one = torch.randn(1, 4, 1, 1)  # so it fails as BatchNorm does on one value per channel
     with pytest.raises(ValueError, match="Expected more than 1 value per channel"):
         torch.nn.SyncBatchNorm(4).train()(one)
@@ -247,6 +317,13 @@ def test_batchnorm_in_training_refuses_one_value_per_channel():
 def test_bfloat16_has_float32s_range_and_float16_does_not():
     assert torch.finfo(torch.bfloat16).max > 3e38 and torch.finfo(torch.float32).max > 3e38
     assert torch.finfo(torch.float16).max == 65504 and torch.finfo(torch.float16).tiny > 6e-5
+
+
+def test_cross_entropy_means_over_the_labelled_pixels():
+    logits, labels = torch.randn(1, 3, 4, 4), torch.randint(0, 3, (1, 4, 4))
+    labels[0, :2] = 255
+    summed = F.cross_entropy(logits, labels, ignore_index=255, reduction="sum")
+    assert torch.allclose(F.cross_entropy(logits, labels, ignore_index=255), summed / 8)
 
 
 def test_cross_entropy_mean_over_no_labelled_pixel_is_nan():
@@ -286,3 +363,15 @@ def test_torch_load_does_not_notice_bytes_changed_inside_a_tensor(tmp_path):
 def test_torch_compile_splits_a_ddp_models_graph_at_its_buckets_by_default():
     import torch._dynamo
     assert torch._dynamo.config.optimize_ddp  # DDPOptimizer: the all-reduce still overlaps the backward
+
+
+# --- torchvision ------------------------------------------------------------------------------------------------
+def test_asppool_normalises_one_value_per_channel_per_image():
+    from torchvision.models.segmentation.deeplabv3 import ASPPPooling
+    pooling = ASPPPooling(8, 4)
+    assert pooling[0].output_size == 1 and isinstance(pooling[2], torch.nn.BatchNorm2d)
+
+
+def test_torchvisions_imagenet_resnet101_is_the_file_the_docs_name():
+    from torchvision.models import ResNet101_Weights
+    assert ResNet101_Weights.IMAGENET1K_V1.url.endswith("/resnet101-63fe2227.pth")
