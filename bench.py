@@ -204,7 +204,7 @@ def loop_overhead(batch, size, steps, rounds=2):
             if kind == "bare":
                 for images_, labels_ in loader:
                     loss = main.criterion(model(dataset.normalize(images_)), labels_.long())
-                    optimizer.zero_grad(set_to_none=True)
+                    optimizer.zero_grad(set_to_none=False)  # as main.py zeroes them (bucket views: --bucket-views)
                     loss.backward()
                     optimizer.step()
                 bare.append(time.perf_counter() - start)

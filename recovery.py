@@ -479,7 +479,7 @@ def stop_after_epoch(problem, device, checkpoint_path, last=False):
     if write_failed:
         fail(problem or "rank 0 could not write this epoch's files")
     if signal_seen and last:
-        log("a stop was asked for during the last epoch's evaluation: training had finished, nothing is left to stop")
+        log("a stop was asked for at the end of the last epoch: training had finished, nothing is left to stop")
         return False
     if signal_seen:
         log(f"stopped by signal after an epoch; saved {checkpoint_path}. To resume, {paths.resume_advice()}")

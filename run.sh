@@ -37,6 +37,13 @@ for VAR in NODE_RANK MAX_RESTARTS; do need_number "$VAR" 0; done
 [ "$MASTER_PORT" -le 65535 ] || fail "MASTER_PORT=$MASTER_PORT: a port is at most 65535"
 [ -z "${NPROC:-}" ] || need_number NPROC 1
 
+# A stop while run.sh prepares ends in one line. (A run.sh started where SIGINT is ignored, in the background of a
+# script, keeps ignoring it: bash's `trap -` would turn it back on.)
+INT_IGNORED=$(trap -p INT)
+on_stop() {  # on_stop COMMAND: run COMMAND on SIGINT or SIGTERM; on_stop -: as before
+  trap "$1" TERM
+  [ -n "$INT_IGNORED" ] || trap "$1" INT
+}
 # The Python steps before training (the synthetic set, the check) run in the background, waited for: a Ctrl-C
 # then reaches run.sh alone (a background process of a script ignores it), which stops the step and says so in
 # one line, instead of Python's traceback from wherever the step was (importing torch, say).
@@ -45,10 +52,10 @@ run_step() {  # run_step WHAT COMMAND...: WHAT names the step in the stop line
   shift
   "$@" &
   STEP=$!
-  trap "kill -TERM $STEP 2>/dev/null; wait $STEP 2>/dev/null || true; echo \"run.sh: stopped while $what; nothing was started. Run the same ./run.sh line again to begin\" >&2; exit 130" INT TERM
+  on_stop "kill -TERM $STEP 2>/dev/null; wait $STEP 2>/dev/null || true; echo \"run.sh: stopped while $what; nothing was started. Run the same ./run.sh line again to begin\" >&2; exit 130"
   STATUS=0
   wait "$STEP" || STATUS=$?
-  trap - INT TERM
+  on_stop -
   return "$STATUS"
 }
 
@@ -57,9 +64,9 @@ if [ "${CUDA_VISIBLE_DEVICES-unset}" = "" ]; then
   NGPU=0  # GPUs hidden on purpose: no need to start Python to count them
 else
   # (Python ignores a Ctrl-C here, run.sh says it stopped: no KeyboardInterrupt traceback from importing torch)
-  trap 'echo "run.sh: stopped while counting the GPUs; nothing was started" >&2; exit 130' INT TERM
+  on_stop 'echo "run.sh: stopped while counting the GPUs; nothing was started" >&2; exit 130'
   NGPU=$(trap '' INT; "$PYTHON" -c "import torch; print(torch.cuda.device_count())")
-  trap - INT TERM
+  on_stop -
 fi
 if [ "$NGPU" -gt 0 ]; then
   NPROC=${NPROC:-$NGPU}
@@ -164,7 +171,7 @@ forward() {
   fi
 }
 trap 'forward TERM' TERM
-trap 'forward INT' INT
+[ -n "$INT_IGNORED" ] || trap 'forward INT' INT
 while :; do
   STATUS=0; wait "$LAUNCHER" || STATUS=$?   # (not a bare wait: set -e would end run.sh here)
   kill -0 "$LAUNCHER" 2>/dev/null || break   # wait returns early when a signal arrives

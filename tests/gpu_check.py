@@ -46,12 +46,12 @@ SMALL_MODEL = "deeplabv3plus_mobilenet_v3_large"
 # signal mid-epoch. Dry run: everything tiny, on the CPU.
 SIZES = {
     "gpu": dict(frame=(2048, 1024), train=480, val=3, unique=8, recipe=["--amp"], amp="fp16", small=(512, 256),
-                small_train=400, small_val=6, small_args=["--crop-size", "256", "-b", "2"]),
+                small_train=400, small_val=6, small_args=["--crop-size", "256", "-b", "2", "--accum-steps", "1"]),
     # The CPU has bf16, but without native support it is many times slower than float32: the rates run in
     # float32 there, and bf16 stands in for fp16 only in the resume check.
     "dry": dict(frame=(128, 64), train=40, val=2, unique=4, amp="bf16", small=(64, 32), small_train=16, small_val=2,
                 recipe=["--model", SMALL_MODEL, "--crop-size", "32", "-b", "2", "--accum-steps", "1"],
-                small_args=["--crop-size", "32", "-b", "2"]),
+                small_args=["--crop-size", "32", "-b", "2", "--accum-steps", "1"]),
 }
 
 
@@ -323,7 +323,7 @@ def main():
     def buckets():
         """DDP's gradients zeroed in place (main.py) against set_to_none: one process, on this GPU."""
         output = go("buckets")
-        results = json.loads(output.strip().splitlines()[-1])
+        results = json.loads(next(line for line in output.splitlines() if line.startswith('{"set_to_none"')))
         (none_s, none_gib, _), (place_s, place_gib, copies) = results["set_to_none"], results["in place"]
         found = {"bucket_set_to_none_ms": round(none_s * 1000, 1), "bucket_in_place_ms": round(place_s * 1000, 1),
                  "bucket_set_to_none_gib": round(none_gib, 3), "bucket_in_place_gib": round(place_gib, 3),

@@ -38,8 +38,11 @@ def _assert_same_weights(out_a, out_b):
 
 
 def _start(command, env):
+    """Started as from a terminal: SIGINT at its default (a suite run in the background of a script would pass its
+    ignored SIGINT on, and a Ctrl-C sent to run.sh would seem lost)."""
     return subprocess.Popen(command, cwd=ROOT, env={**CPU_ENV, **env}, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+                            stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 def _wait_for(process, text, timeout=120):
