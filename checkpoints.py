@@ -15,6 +15,7 @@ A checkpoint is a dict (weights_only: data, not code): model, optimizer, scaler 
 world_size, batch_size, accum_steps, classes, and digest: a SHA-256 of everything else in it, written with it
 in the same file (so atomically), and checked by every reader (read()).
 """
+import filecmp
 import hashlib
 import json
 import math
@@ -171,7 +172,13 @@ def read(flag, path):
         # and that GPU holds a copy per rank. weights_only=True: a checkpoint is data, not code.
         checkpoint = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:
-        fail(f"{flag} {path} cannot be read ({first_line(error)}): it is truncated, or not a PyTorch checkpoint")
+        # torch's own advice for what weights_only refuses (load it with weights_only=False) is not ours to give.
+        if "Unsupported global" in str(error):  # a pickle of Python objects: code, not data
+            fail(f"{flag} {path} holds Python objects beyond plain data, which torch.load(weights_only=True) refuses: "
+                 "it is not a checkpoint main.py wrote")
+        why = "not a PyTorch file" if "Weights only load failed" in str(error) else first_line(error)
+        fail(f"{flag} {path} cannot be read ({type(error).__name__}: {why}): it is truncated, or not a PyTorch "
+             "checkpoint")
     if isinstance(checkpoint, dict) and "digest" in checkpoint:
         if checkpoint["digest"] != digest(checkpoint):
             fail(f"{flag} {path} is damaged: what it holds differs from the digest written with it (a bad copy or "
@@ -192,7 +199,7 @@ def read(flag, path):
     if not any(key.startswith("backbone.") for key in weights):  # every model of models.py has a backbone
         if any(key.startswith(("fc.", "features.", "conv1.")) for key in weights):  # torchvision's classifiers
             fail(f"{flag} {path} holds the weights of a classification network (keys such as {next(iter(weights))}), "
-                 f"not of this project's DeepLab: an ImageNet backbone goes to --pretrained-backbone {path}")
+                 f"not of this project's DeepLab: an ImageNet backbone goes to main.py --pretrained-backbone {path}")
         fail(f"{flag} {path} holds the weights of another network (keys such as {next(iter(weights))}), not of "
              "this project's DeepLab")
     return checkpoint
@@ -398,8 +405,14 @@ def resume_training(start, optimizer, scaler, args, world_size):
         log(f"note: --start-epoch {args.start_epoch} is ignored: {start.path} says where to continue")
     where = (f"epoch {position.epoch} after step {position.step}" if position.step else
              f"the start of epoch {position.epoch}")
+    best = checkpoint.get("best_miou", float("nan"))
     log(f"resuming from {start.path} at {where} (epochs counted from 0), best mIoU "
-        f"{checkpoint.get('best_miou', float('nan')):.4f}")
+        + (f"{best:.4f}" if math.isfinite(best) else "none yet"))
+    saved_epochs = (checkpoint.get("args") or {}).get("epochs")
+    if saved_epochs and saved_epochs != args.epochs:  # the schedule's length changes: its learning rate jumps
+        log(f"note: the run was scheduled over --epochs {saved_epochs}, this one over {args.epochs}: the poly "
+            f"learning rate goes on at the same step of the {args.epochs}-epoch schedule, "
+            f"{'higher' if args.epochs > saved_epochs else 'lower'} than where the run stopped")
     optimizer.load_state_dict(checkpoint["optimizer"])
     if checkpoint["scaler"] and scaler.is_enabled():  # empty when saved without --amp fp16
         scaler.load_state_dict(checkpoint["scaler"])
@@ -445,7 +458,9 @@ def continue_run_at(args, start, position):
     out = args.output_dir
     metrics, latest = os.path.join(out, "metrics.jsonl"), os.path.join(out, "checkpoint.pth")
     kept, dropped, total = _split_metrics(metrics, position.epoch)
-    rewind = start.path is not None and paths.inside(start.path, out) and not paths.inside(start.path, latest)
+    rewind = (start.path is not None and paths.inside(start.path, out) and not paths.inside(start.path, latest)
+              and not (os.path.isfile(latest) and filecmp.cmp(start.path, latest, shallow=False)))  # (best.pth of the
+    # last epoch is checkpoint.pth's twin, byte for byte: nothing came after it, nothing to keep)
     saved = []
     if rewind:
         for name in ("checkpoint.pth", "checkpoint.prev.pth", "best.pth"):
@@ -466,8 +481,10 @@ def continue_run_at(args, start, position):
         write_atomically(metrics, "".join(kept).encode())
     if saved:
         hidden = ("; TensorBoard hides its later points" if os.path.isdir(os.path.join(out, "tensorboard")) else "")
-        log(f"note: resuming from {start.path} (epoch {position.epoch}) rewinds this run; what came after it is kept "
-            f"in {out}: {', '.join(saved)}{hidden}")
+        where = (f"epoch {position.epoch} after step {position.step}" if position.step else
+                 f"the start of epoch {position.epoch}")
+        log(f"note: resuming from {start.path} ({where}, counted from 0) rewinds this run; what came after it is "
+            f"kept in {out}: {', '.join(saved)}{hidden}")
 
 
 def _split_metrics(path, epoch):

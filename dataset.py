@@ -213,6 +213,7 @@ class SegmentationFiles(torch.utils.data.Dataset):
         of each class index in the decoded labels, numpy (256,), 255: ignored; the labels more than half ignored),
         or (None, []) when none was decoded."""
         counts, mostly_ignored = None, []
+        self.largest = (0, 0)  # the tallest and the widest image, (height, width)
         for image_path, label_path in zip(self.images, self.labels):
             if decode_labels or self.checks_every_label:
                 found = np.bincount(self.label_table[self.read_label(label_path)].ravel(), minlength=256)
@@ -224,6 +225,7 @@ class SegmentationFiles(torch.utils.data.Dataset):
             except Exception as error:
                 raise BadInput(f"{image_path} or its label cannot be read as an image ({error}); replace it, or "
                                "remove the image and its label") from None
+            self.largest = (max(self.largest[0], height), max(self.largest[1], width))
             if (width, height) != (label_width, label_height):
                 turn = (f" as its EXIF orientation turns it (stored {height}x{width}); draw the mask on the image as "
                         "it is seen, or remove the orientation tag" if turned else "; they must match")
@@ -284,7 +286,8 @@ class Cityscapes(SegmentationFiles):
     label_table = _ID_TO_TRAINID_NP
 
     def __init__(self, root, split="train", **options):
-        get = "docs/cityscapes.md says how to get Cityscapes; ./run.sh writes a synthetic set for a demo"
+        get = ("docs/cityscapes.md says how to get Cityscapes; for a demo on a synthetic set, ./run.sh without DATA "
+               "(where data/cityscapes is empty)")
         for sub in ("leftImg8bit", "gtFine"):
             if not os.path.isdir(os.path.join(root, sub, split)):
                 raise BadInput(f"{os.path.join(root, sub, split)} not found: {root} should hold Cityscapes "
@@ -523,12 +526,23 @@ def open_datasets(args, crop_size, world_size):
     if train_counts is not None and not args.evaluate:  # your own data: every mask decoded
         absent = [name for index, name in enumerate(names) if not train_counts[index]]
         if absent:
+            ignored = train_counts[IGNORE_INDEX] > 0  # (the masks' ignore_index, mapped to 255)
             log(f"warning: no training mask of {args.data} has a pixel of {', '.join(map(repr, absent))}: the model "
-                "cannot learn it; add images that show it, or remove it from classes.json (and renumber the masks)")
+                "cannot learn it; add images that show it, or remove it from classes.json (and renumber the masks)"
+                + (f". If the masks draw it with ignore_index {train_set.ignore_value} (masks saved as 0 and 255, "
+                   "say), save it as its class index instead" if ignored else ""))
         if mostly_ignored:
             log(f"warning: {len(mostly_ignored)} of {len(train_set)} training masks are more than half "
                 f"ignore_index {train_set.ignore_value} (e.g. {mostly_ignored[0]}), which the loss skips: if that "
                 "value marks a class (masks saved as 0 and 255), save them with its class index instead")
+    largest = train_set.largest  # (height, width), from the headers check_files read
+    reach = [side * args.scale_range[1] for side in largest]
+    if not args.evaluate and (crop_size[0] > reach[0] or crop_size[1] > reach[1]):
+        fits = f"{int(min(crop_size[0], reach[0]))} {int(min(crop_size[1], reach[1]))}"
+        scaled = f", scaled up to {args.scale_range[1]:g}x" if args.scale_range[1] != 1 else ""
+        log(f"warning: --crop-size {' '.join(map(str, args.crop_size))} is larger than every training image of "
+            f"{data} (at most {largest[1]}x{largest[0]}{scaled}): the crops are mostly padding, which the loss "
+            f"ignores, and a step costs what the crop does; --crop-size {fits} trains on image alone")
     under_run_sh = os.environ.get("DEEPLAB_RUN_SH") == "1"
     if world_size > len(val_set):
         in_all = " in all (NPROC x NNODES)" if under_run_sh else ""

@@ -436,7 +436,7 @@ def main(args):
     if args.evaluate:
         evaluate_checkpoint(args, model_without_ddp, val_loader, run, device)
     elif position.epoch >= args.epochs:  # a requeued job that had finished: not a failure, nothing to do
-        records.say_nothing_to_train(args, run.start.path)
+        records.say_nothing_to_train(args, run.start.path, position.epoch)
     else:
         train(args, run, model, model_without_ddp, optimizer, scaler, train_loader, val_loader, train_sampler,
               resumable, position, device)
@@ -501,7 +501,8 @@ def train(args, run, model, model_without_ddp, optimizer, scaler, train_loader, 
                 "iou": records.iou_dict(iou, run.classes["names"]), "train_img_per_s": trained["images_per_s"],
                 "data_wait_fraction": trained["data_wait"], "epoch_time_s": time.time() - epoch_start,
                 "eval_time_s": time.time() - eval_start, "world_size": world_size,
-                "peak_memory_gib": trained["peak_memory_gib"]}, writer, estimate=epoch == position.epoch)
+                "peak_memory_gib": trained["peak_memory_gib"]}, writer,
+                estimate=trained["steps"] / steps_per_epoch if epoch == position.epoch else None)
         epoch_loss_sum = 0.0
         # Every rank learns whether rank 0 could write (a full disk) and whether a signal came during the
         # evaluation: all stop together, rank 0 saying why.

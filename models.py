@@ -75,6 +75,12 @@ def _load_backbone_weights(net, backbone, pretrained):
                                f"torchvision {backbone} classification weights (.pth)")
     # The classifier of the ImageNet model (fc / classifier) has no place here; everything else must fit.
     state = {k: v for k, v in state.items() if not k.startswith(("fc.", "classifier."))}
+    own = net.state_dict()
+    other = [k for k, v in state.items() if k in own and hasattr(v, "shape") and v.shape != own[k].shape]
+    if other:  # (load_state_dict would list every one, over many lines)
+        raise RuntimeError(f"--pretrained-backbone {pretrained} does not fit {backbone}: {len(other)} tensors of "
+                           f"another shape (e.g. {other[0]} {tuple(state[other[0]].shape)} vs "
+                           f"{tuple(own[other[0]].shape)}): the weights of another network; give {backbone}'s")
     missing, unexpected = net.load_state_dict(state, strict=False)
     missing = [k for k in missing if not k.startswith(("fc.", "classifier."))]
     if missing or unexpected:

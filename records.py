@@ -91,11 +91,12 @@ def open_writer(args, first_iteration):
         fail(f"cannot write TensorBoard's files in {args.output_dir} ({error})", this_rank=True)
 
 
-def write_epoch(args, state, is_best, sample, record, writer=None, estimate=False):
+def write_epoch(args, state, is_best, sample, record, writer=None, estimate=None):
     """After an epoch (rank 0 alone: several ranks writing one file corrupt it): checkpoint.pth (the one it
     replaces kept as checkpoint.prev.pth), best.pth when the mIoU is the best yet, the picture, a line of
     metrics.jsonl, TensorBoard's points (writer), and what the user should know. -> None, or why a file could
-    not be written (a full disk), which every rank then stops on."""
+    not be written (a full disk), which every rank then stops on. estimate: after the run's first epoch, the
+    fraction of it this run trained (less than 1 when it resumed part-way), for the time the others will take."""
     # checkpoint.pth last: a run stopped between these writes resumes before this epoch, and redoes them all.
     checkpoint_path = os.path.join(args.output_dir, "checkpoint.pth")
     try:
@@ -118,13 +119,19 @@ def write_epoch(args, state, is_best, sample, record, writer=None, estimate=Fals
         return str(error) if isinstance(error, paths.UserError) else f"cannot write in {args.output_dir} ({error})"
     miou = "undefined (no val pixel of any class)" if math.isnan(record["miou"]) else f"{record['miou']:.4f}"
     log(f"epoch {record['epoch']}: train loss {record['train_loss']:.4f}, {record['train_img_per_s']:.1f} img/s, "
-        f"mIoU {miou} (best {state['best_miou']:.4f}); saved {checkpoint_path}")
+        f"mIoU {miou} (best {best_text(state['best_miou'])}); saved {checkpoint_path}")
     if record["data_wait_fraction"] > 0.05:
         log(f"note: the training loop waited {record['data_wait_fraction']:.0%} of its time for data: raise -j if "
             "the machine has the cores" + ("" if args.cache_dir else ", or decode once with --cache-dir"))
     left = args.epochs - record["epoch"] - 1
     if estimate and left:  # after the first epoch, so that nobody wonders whether it hangs
-        log(f"the other {left} epoch(s) will take about {timedelta(seconds=round(record['epoch_time_s'] * left))}")
+        whole = record["epoch_time_s"] - record["eval_time_s"] + record["eval_time_s"] * estimate  # as if whole
+        log(f"the other {left} epoch(s) will take about {timedelta(seconds=round(whole / estimate * left))}")
+
+
+def best_text(miou):
+    """The best mIoU so far, as a person reads it: none before the first evaluation."""
+    return f"{miou:.4f}" if math.isfinite(miou) else "none yet"
 
 
 def write_eval(args, result, sample, colors):
@@ -166,10 +173,11 @@ def say_where_things_are(args, best_miou):
     log(f"done: best mIoU {best}. Where things are:\n" + "\n".join(f"  {path:<{width}}  {what}" for path, what in found))
 
 
-def say_nothing_to_train(args, checkpoint_path):
-    """A run that had finished, started again (a requeued job, run.sh's second call): not a failure."""
-    log(f"nothing to train: {checkpoint_path} has finished all {args.epochs} epochs of --epochs {args.epochs}; raise "
-        "--epochs to train longer, or evaluate it with -e"
+def say_nothing_to_train(args, checkpoint_path, done):
+    """A run that had finished (done: its epochs), started again (a requeued job, run.sh's second call)."""
+    finished = (f"has finished all {done} epochs of --epochs {args.epochs}" if done == args.epochs else
+                f"has finished {done} epochs, as many as --epochs {args.epochs} asks or more")
+    log(f"nothing to train: {checkpoint_path} {finished}; raise --epochs to train longer, or evaluate it with -e"
         + ("; --tensorboard draws the curves of a run as it trains: give it to a new run, in another "
            f"{paths.named('--output-dir')}" if args.tensorboard else ""))
 

@@ -332,11 +332,14 @@ def stop_signal():
 
 
 def worker_init(worker_id):
-    """DataLoader workers' init. A Ctrl-C in a terminal reaches every process of the group, the workers too;
-    they leave it to the training process, which must still read the batch in flight. (SIGTERM stays fatal
-    for them: multiprocessing uses it to end them when the training process exits.) And a forked worker lets go
-    of its copy of the --output-dir lock, which would otherwise hold the folder after its parent was killed."""
+    """DataLoader workers' init. A stop sent to the whole process group (Ctrl-C in a terminal; SIGTERM from
+    `timeout`, `kill -- -PGID`, a scheduler that signals every process of a job) reaches the workers too: they
+    leave it to the training process, which must still read the batch in flight, finish its step and save. (The
+    DataLoader ends its workers through a queue and an event; a worker whose parent died ends by itself within
+    seconds.) And a forked worker lets go of its copy of the --output-dir lock, which would otherwise hold the
+    folder after its parent was killed."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     paths.forget_hold()
 
 

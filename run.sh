@@ -9,12 +9,19 @@
 #   NNODES=2 NODE_RANK=0 MASTER_ADDR=10.0.0.1 MASTER_PORT=29500 ./run.sh   # on node 0; NODE_RANK=1 on node 1
 #   MAX_RESTARTS=3 ./run.sh                            # torchrun restarts failed workers; they resume
 #
-# With no Cityscapes in DATA it writes a synthetic set once (data/cityscapes_synthetic) and trains a
-# demo sized for a laptop CPU into output/demo: 3 to 5 minutes on 2 cores.
+# With DATA not set and nothing in data/cityscapes, it writes a synthetic set once (data/cityscapes_synthetic)
+# and trains a demo sized for a laptop CPU into output/demo: 2.5 to 5 minutes on 2 cores. Paths (DATA,
+# OUTPUT_DIR, the arguments) are relative to where you run it, as for any command.
 set -euo pipefail
-cd "$(dirname "$0")"
+ROOT=$(cd "$(dirname "$0")" && pwd)  # where main.py and the other programs are
 
 fail() { echo "run.sh: error: $*" >&2; exit 1; }
+case " $* " in *" -h "* | *" --help "*)  # what run.sh does, then main.py's options
+  sed -n '2,/^set -euo/p' "$0" | sed -e '$d' -e 's/^# \{0,1\}//'
+  echo "Arguments after ./run.sh go to main.py: python $ROOT/main.py --help lists them (run.sh passes -b and"
+  echo "--accum-steps, or the demo's settings, first; yours come after and win). Variables: docs/options.md."
+  exit 0;;
+esac
 # main.py's advice then names what the user typed here (OUTPUT_DIR, DATA, ./run.sh again), not the flags made of it.
 export DEEPLAB_RUN_SH=1
 # A whole number of at least $2 in variable $1, or one line naming it.
@@ -22,6 +29,7 @@ need_number() {
   [[ "${!1}" =~ ^[0-9]+$ ]] && [ "${!1}" -ge "$2" ] || fail "$1=${!1}: give a whole number of at least $2"
 }
 
+DATA_GIVEN=${DATA:-}  # a data set named on purpose: an error if it holds none, never the demo
 DATA=${DATA:-data/cityscapes}
 NNODES=${NNODES:-1}
 NODE_RANK=${NODE_RANK:-0}
@@ -79,10 +87,11 @@ else
 fi
 WORLD=$(( NPROC * NNODES ))
 
-# Real data: Cityscapes, or your own (images/, masks/ and classes.json, docs/your-data.md; main.py
-# names what is missing there).
+# Real data: Cityscapes, or your own (images/, masks/ and classes.json, docs/your-data.md); also a DATA given on
+# purpose, or a data/cityscapes with something in it, that holds neither: main.py's check names what is missing.
+# The demo only where nothing was named and data/cityscapes is missing or empty.
 if compgen -G "$DATA/leftImg8bit/train/*/*_leftImg8bit.png" >/dev/null || [ -f "$DATA/classes.json" ] \
-    || [ -d "$DATA/images" ]; then
+    || [ -d "$DATA/images" ] || [ -n "$DATA_GIVEN" ] || [ -n "$(ls -A "$DATA" 2>/dev/null)" ]; then
   OUTPUT_DIR=${OUTPUT_DIR:-output}
   # main.py's defaults are the recipe (VainF/DeepLabV3Plus-Pytorch's: DeepLabV3+ ResNet-101, output stride 16,
   # crop 768, global batch 16, lr 0.1 with the backbone at 0.01, 30k iterations, ImageNet backbone). run.sh
@@ -102,7 +111,7 @@ else
   echo "run.sh: no Cityscapes in $DATA (docs/cityscapes.md says how to get it): the demo, on a synthetic set, in $OUTPUT_DIR"
   if [ ! -d "$SYNTHETIC" ]; then  # written whole or not at all (synthetic.py: a temporary folder, renamed)
     run_step "writing the synthetic set $SYNTHETIC (it appears whole or not at all)" \
-      "$PYTHON" synthetic.py "$SYNTHETIC" --num-train 300 --num-val 60 --num-test 20 --size 192 96 -j "$CORES"
+      "$PYTHON" "$ROOT/synthetic.py" "$SYNTHETIC" --num-train 300 --num-val 60 --num-test 20 --size 192 96 -j "$CORES"
   fi
   DATA=$SYNTHETIC
   # Sized to end within 5 minutes on a slow 2-core CPU: 7 epochs of 96x96 crops, from scratch, without
@@ -122,7 +131,7 @@ else
 fi
 # --resume auto: run again, the same line carries on where the last run stopped (and says so when it had
 # finished); arguments after ./run.sh come last and win.
-MAIN=(main.py --data "$DATA" --output-dir "$OUTPUT_DIR" --resume auto "${ARGS[@]}" "$@")
+MAIN=("$ROOT/main.py" --data "$DATA" --output-dir "$OUTPUT_DIR" --resume auto "${ARGS[@]}" "$@")
 
 # Check the arguments, the data and any --resume in one plain process first: a mistake ends here with one
 # line, instead of in every worker, in torchrun's report, and again in each of torchrun's restarts.
@@ -149,8 +158,8 @@ LAUNCHER=$!
 if [ "$NNODES" -gt 1 ]; then
   # Waiting for the other nodes says so, once after a few seconds and then every minute: how many have joined
   # the rendezvous at MASTER_ADDR:MASTER_PORT, and when torchrun gives up (recovery.py).
-  "$PYTHON" -c 'import recovery, sys; recovery.watch_rendezvous(*sys.argv[1:])' "$MASTER_ADDR:$MASTER_PORT" \
-    "${RDZV_ID:-deeplab}" "$NNODES" "$JOIN_TIMEOUT" &
+  PYTHONPATH="$ROOT" "$PYTHON" -c 'import recovery, sys; recovery.watch_rendezvous(*sys.argv[1:])' \
+    "$MASTER_ADDR:$MASTER_PORT" "${RDZV_ID:-deeplab}" "$NNODES" "$JOIN_TIMEOUT" &
   WATCHER=$!
 fi
 SIGNALS=0
@@ -158,6 +167,7 @@ forward() {
   SIGNALS=$(( SIGNALS + 1 ))
   if [ "$SIGNALS" -eq 1 ] && pgrep -P "$LAUNCHER" >/dev/null; then
     echo "run.sh: got SIG$1: the workers save a checkpoint at the end of this step and stop (again to stop at once)"
+    [ "$1" = TERM ] || echo "run.sh: (passed on to the workers as SIGTERM, which they take as a Ctrl-C)"
     { echo "$1" > "$DEEPLAB_STOP_FILE"; } 2>/dev/null || true   # (the workers that run get the signal itself)
     # SIGTERM to torchrun's children, the workers, also for a Ctrl-C: one still starting (importing torch, before
     # its handlers) ends quietly, where SIGINT would print a KeyboardInterrupt traceback; a restarted one reads the

@@ -256,20 +256,22 @@ def write_synthetic(root, num_train=200, num_val=50, size=(256, 128), seed=0, ph
 
 
 def get_args_parser():
-    parser = argparse.ArgumentParser(prog="synthetic.py", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="synthetic.py", description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("folder", metavar="DIR", help="a new or empty folder to write the data set into")
-    parser.add_argument("--num-train", type=at_least(1), default=200)
-    parser.add_argument("--num-val", type=at_least(1), default=50)
+    parser.add_argument("--num-train", type=at_least(1), default=200, help="(default: %(default)s)")
+    parser.add_argument("--num-val", type=at_least(1), default=50, help="(default: %(default)s)")
     parser.add_argument("--num-test", type=at_least(0), default=0, help="a test split too (default: none)")
-    parser.add_argument("--size", type=at_least(16), nargs=2, default=(256, 128), metavar=("W", "H"))
-    parser.add_argument("--seed", type=at_least(0), default=0)
+    parser.add_argument("--size", type=at_least(16), nargs=2, default=(256, 128), metavar=("W", "H"),
+                        help="(default: 256 128)")
+    parser.add_argument("--seed", type=at_least(0), default=0, help="(default: %(default)s)")
     parser.add_argument("--layout", choices=("cityscapes", "folder"), default="cityscapes",
-                        help="Cityscapes' layout (19 classes), or images/, masks/ and classes.json (7 classes)")
+                        help="Cityscapes' layout (19 classes), or images/, masks/ and classes.json (7 classes) "
+                        "(default: %(default)s)")
     parser.add_argument("--photo", action="store_true", help="photo-like: as large and slow to decode as real frames")
     parser.add_argument("--unique", type=at_least(1), default=None, metavar="N",
                         help="draw N scenes a split and link the others to them (default: all drawn)")
     parser.add_argument("-j", "--workers", type=at_least(0), default=1,
-                        help="processes drawing at once (0, 1: this one)")
+                        help="processes drawing at once (0, 1: this one) (default: %(default)s)")
     return parser
 
 

@@ -55,10 +55,10 @@ def free_port():
         return s.getsockname()[1]
 
 
-def run(command, env=None, timeout=240):
-    """Run a command in the repository root, on the CPU with one thread per process; fail with its output."""
+def run(command, env=None, timeout=240, cwd=ROOT):
+    """Run a command (in the repository root), on the CPU with one thread per process; fail with its output."""
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", **(env or {})}
-    result = subprocess.run(command, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
+    result = subprocess.run(command, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
     assert result.returncode == 0, f"{command} exited {result.returncode}:\n{result.stdout}\n{result.stderr}"
     return result.stdout + result.stderr
 

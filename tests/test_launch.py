@@ -94,13 +94,18 @@ def test_run_sh_trains_resumes_and_evaluates(tiny_data, tmp_path):
 
 
 def test_run_sh_without_data_writes_synthetic_set_and_trains(tmp_path):
-    out, synthetic = str(tmp_path / "out"), str(tmp_path / "synthetic")
-    env = {"DATA": str(tmp_path / "missing"), "OUTPUT_DIR": out, "SYNTHETIC": synthetic, "NPROC": "2",
-           "MASTER_PORT": str(free_port())}
-    log = run(["./run.sh", "--epochs", "1", "--crop-size", "16", "-b", "16", "-p", "50"], env=env)  # 9 steps
-    assert "no Cityscapes in" in log
-    assert os.path.isdir(os.path.join(synthetic, "leftImg8bit", "val"))
-    assert [r["epoch"] for r in _metrics(out)] == [0]
+    """Run from a folder with no data/cityscapes and DATA not set: the demo, its paths relative to that folder
+    (OUTPUT_DIR set, to keep the test small, is too). A DATA named on purpose that holds nothing is no demo."""
+    env = {"OUTPUT_DIR": "out", "NPROC": "2", "MASTER_PORT": str(free_port())}
+    log = run([os.path.join(ROOT, "run.sh"), "--epochs", "1", "--crop-size", "16", "-b", "16", "-p", "50"], env=env,
+              cwd=str(tmp_path))  # 9 steps
+    assert "no Cityscapes in data/cityscapes" in log
+    assert os.path.isdir(tmp_path / "data" / "cityscapes_synthetic" / "leftImg8bit" / "test")
+    assert [r["epoch"] for r in _metrics(str(tmp_path / "out"))] == [0]
+    result = subprocess.run([os.path.join(ROOT, "run.sh")], cwd=str(tmp_path), capture_output=True, text=True,
+                            env={**os.environ, "CUDA_VISIBLE_DEVICES": "", "DATA": "typo/cityscapes"}, timeout=60)
+    assert result.returncode == 1 and "demo" not in result.stdout, result.stdout + result.stderr
+    assert "main.py: error: typo/cityscapes/leftImg8bit/train not found" in result.stderr, result.stderr
 
 
 def test_two_nodes_train_together_and_match_one_node(data24, straight, tmp_path):

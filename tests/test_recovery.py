@@ -65,8 +65,8 @@ def _workers(out):
                 argv = f.read().split(b"\0")
         except OSError:
             continue
-        if b"main.py" in argv and out.encode() in argv and not any(b"torch.distributed.run" in a for a in argv) \
-                and b"--check-only" not in argv:
+        if any(a.endswith(b"main.py") for a in argv) and out.encode() in argv \
+                and not any(b"torch.distributed.run" in a for a in argv) and b"--check-only" not in argv:
             pids.append(int(pid))
     return pids
 
