@@ -14,8 +14,10 @@ A mistake the user can fix (paths.UserError, paths.BadInput) ends with `main.py:
 does not repeat it (a restart is for a lost process or peer, not for a bad file). Only global rank 0 logs
 progress and writes files.
 """
+import atexit
 import functools
 import json
+import multiprocessing.util  # before atexit.register below: see _end_workers_at_exit
 import os
 import signal
 import sys
@@ -341,6 +343,23 @@ def worker_init(worker_id):
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     paths.forget_hold()
+
+
+def _end_workers_at_exit():
+    """The other side of worker_init. At its exit, a Python process ends its daemonic children (DataLoader
+    workers are) with SIGTERM and then waits for them (multiprocessing.util._exit_function). A worker that ignores
+    SIGTERM would make that wait last for ever: after an error raised inside `for ... in loader`, the loader's
+    iterator can still be alive at exit (the error's traceback holds it), its workers never told to stop, and
+    main.py would print its one line and then hang. So the daemonic children still running at exit get SIGKILL,
+    which cannot be ignored, first. atexit runs its functions last registered first: this one is registered
+    after multiprocessing.util's (imported above), so it runs before it."""
+    for child in multiprocessing.active_children():
+        if child.daemon:
+            child.kill()
+            child.join()
+
+
+atexit.register(_end_workers_at_exit)
 
 
 # --- a lost peer ------------------------------------------------------------------------------------------

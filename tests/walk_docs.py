@@ -14,6 +14,7 @@ import argparse
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -25,7 +26,7 @@ SKIP_REAL = "needs the real Cityscapes in data/cityscapes, which cannot be downl
 SKIP_GPU = "needs CUDA GPUs"
 
 
-def Run(extra="", env=None, expect=(), files=(), status=0, before=None, timeout=600):
+def Run(extra="", env=None, expect=(), files=(), status=0, before=None, timeout=300):
     """A command the walk runs: `extra` appended to it, `expect` in what it prints, `files` there after it."""
     return SimpleNamespace(skip=None, extra=extra, env=env or {}, expect=expect, files=files, status=status,
                            before=before, timeout=timeout)
@@ -186,12 +187,11 @@ def walk(folder):
                 continue
             if step.before == "photos":
                 photos(folder)
+            print(f"walk: {page}: running: {command[:90]}", flush=True)
             start = time.time()
-            result = subprocess.run(["bash", "-c", command + step.extra], cwd=folder, env={**env, **step.env},
-                                    capture_output=True, text=True, timeout=step.timeout)
-            output = result.stdout + result.stderr
+            returncode, output = _run(command + step.extra, folder, {**env, **step.env}, step.timeout)
             said[command] = output
-            problems = [f"exit {result.returncode}, documented {step.status}"] if result.returncode != step.status else []
+            problems = [f"exit {returncode}, documented {step.status}"] if returncode != step.status else []
             problems += [f"does not print {text!r}" for text in step.expect if text not in output]
             problems += [f"did not write {path}" for path in step.files if not os.path.exists(os.path.join(folder, path))]
             if not problems and step.before == "walk_readme_block":
@@ -202,6 +202,26 @@ def walk(folder):
             print(f"walk: {page}: ran in {time.time() - start:.0f} s: {command[:90]}", flush=True)
             done.append((page, command, f"{time.time() - start:.0f} s"))
     return done
+
+
+def _run(command, folder, env, timeout):
+    """bash -c command in folder -> (exit status, what it printed). Past timeout seconds, every process working in
+    the folder is killed (run.sh starts torchrun in a session of its own, so a process group is not enough) and
+    the status is 'killed after N s': a command that hangs fails the walk, it does not hang it."""
+    process = subprocess.Popen(["bash", "-c", command], cwd=folder, env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True)
+    try:
+        output = process.communicate(timeout=timeout)[0]
+        return process.returncode, output
+    except subprocess.TimeoutExpired:
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                cwd = os.readlink(f"/proc/{pid}/cwd")
+                if cwd == folder or cwd.startswith(folder + os.sep):
+                    os.kill(int(pid), signal.SIGKILL)
+            except OSError:  # gone meanwhile, or not ours to read
+                pass
+        return f"killed after {timeout} s", process.communicate(timeout=60)[0]
 
 
 def _step(steps, time):
