@@ -215,6 +215,21 @@ def loop_overhead(batch, size, steps, rounds=2):
 
 
 # --- DDP's gradients in its buckets: zeroed in place or set to None ---------------------------------------------
+def _timed(step, steps, cuda):
+    """-> (seconds that `steps` calls of step() took, peak memory in GiB over them: the GPU's, or on the CPU the
+    process's)."""
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    if cuda:
+        torch.cuda.synchronize()
+    elapsed = time.perf_counter() - start
+    return elapsed, torch.cuda.max_memory_allocated() / 2**30 if cuda else records.peak_memory_gib(torch.device("cpu"))
+
+
 def _bucket_worker(rank, world_size, set_to_none, device, model_name, batch, size, steps, warmup, port, result_file):
     """One process of a bucket-view run: DDP with gradient_as_bucket_view=True, the gradients zeroed in place or set
     to None before each step; -> (seconds for `steps` steps, peak memory GiB, reducer copies in one profiled step)."""
@@ -247,16 +262,7 @@ def _bucket_worker(rank, world_size, set_to_none, device, model_name, batch, siz
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profiler:
         step()
     copies = sum(event.count for event in profiler.key_averages() if "reducer::mul_out" in event.key)
-    if cuda:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-    start = time.perf_counter()
-    for _ in range(steps):
-        step()
-    if cuda:
-        torch.cuda.synchronize()
-    elapsed = time.perf_counter() - start
-    peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else records.peak_memory_gib(torch.device("cpu"))
+    elapsed, peak = _timed(step, steps, cuda)
     dist.destroy_process_group()
     with open(f"{result_file}.{rank}", "w") as f:
         json.dump([elapsed, peak, copies], f)
@@ -445,20 +451,13 @@ def gpu_step_rate(dtype, channels_last, compile_model, batch, crop, steps, warmu
         loss.backward()
         optimizer.step()
 
-    start = time.time()
+    start = time.perf_counter()
     for _ in range(warmup):
         step()
     if cuda:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-    warmup_s = time.time() - start
-    start = time.time()
-    for _ in range(steps):
-        step()
-    if cuda:
-        torch.cuda.synchronize()
-    elapsed = time.time() - start
-    peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else records.peak_memory_gib(torch.device("cpu"))
+        torch.cuda.synchronize()  # the warm-up's queued work counts as warm-up
+    warmup_s = time.perf_counter() - start
+    elapsed, peak = _timed(step, steps, cuda)
     return batch * steps / elapsed, peak, warmup_s
 
 
