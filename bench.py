@@ -216,8 +216,8 @@ def loop_overhead(batch, size, steps, rounds=2):
 
 # --- DDP's gradients in its buckets: zeroed in place or set to None ---------------------------------------------
 def _timed(step, steps, cuda):
-    """-> (seconds that `steps` calls of step() took, peak memory in GiB over them: the GPU's, or on the CPU the
-    process's)."""
+    """-> (seconds that `steps` calls of step() took, peak memory in GiB: the GPU's over these steps; on the CPU
+    the process's peak resident set so far, which cannot be reset)."""
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()

@@ -346,17 +346,22 @@ def worker_init(worker_id):
 
 
 def _end_workers_at_exit():
-    """The other side of worker_init. At its exit, a Python process ends its daemonic children (DataLoader
-    workers are) with SIGTERM and then waits for them (multiprocessing.util._exit_function). A worker that ignores
-    SIGTERM would make that wait last for ever: after an error raised inside `for ... in loader`, the loader's
-    iterator can still be alive at exit (the error's traceback holds it), its workers never told to stop, and
-    main.py would print its one line and then hang. So the daemonic children still running at exit get SIGKILL,
-    which cannot be ignored, first. atexit runs its functions last registered first: this one is registered
-    after multiprocessing.util's (imported above), so it runs before it."""
+    """The other side of worker_init. At the exit of the process that started them, multiprocessing's exit hook
+    (multiprocessing.util._exit_function) sends SIGTERM to the daemonic children still running (DataLoader workers
+    are daemonic) and then waits for them. Workers that ignore SIGTERM would make that wait last for ever: after
+    an error raised inside `for ... in loader`, the loader's iterator can still be alive at exit (the error's
+    traceback holds it), its workers never told to stop, and main.py would print its one line and then hang. So
+    every daemonic child still running at exit (a DataLoader's worker, or a Pool's left open) gets SIGKILL, which
+    cannot be ignored, first. atexit runs its functions last registered first, and this one is registered after
+    multiprocessing.util's (imported above); it runs in the process whose script ends (a multiprocessing child
+    runs the exit hook itself and never reaches atexit)."""
+    # The DataLoader's SIGCHLD handler raises "DataLoader worker ... is killed by signal" for a worker of a live
+    # iterator that died: here that death is ours, and the default (ignore SIGCHLD) lets the loop reach every child.
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     for child in multiprocessing.active_children():
         if child.daemon:
             child.kill()
-            child.join()
+            child.join(timeout=10)  # a process in uninterruptible I/O (a hung network mount) dies when it returns
 
 
 atexit.register(_end_workers_at_exit)

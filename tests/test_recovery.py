@@ -331,7 +331,7 @@ def test_bad_file_found_when_read_names_it(case, tiny_data, tmp_path, capfd):
     if case == "truncated image":
         line = _fails_in_process(argv, capfd)
     else:  # as a program: it must also exit, its worker still running when the error ends main.py (it ignores
-        # SIGTERM, which Python's exit sends its daemonic children before waiting for them: recovery.py)
+        # SIGTERM, which multiprocessing's exit hook sends daemonic children before waiting for them: recovery.py)
         result = subprocess.run([sys.executable, "main.py", *argv], cwd=ROOT, env=CPU_ENV, capture_output=True,
                                 text=True, timeout=120)
         output = result.stdout + result.stderr

@@ -191,7 +191,10 @@ def walk(folder):
             start = time.time()
             returncode, output = _run(command + step.extra, folder, {**env, **step.env}, step.timeout)
             said[command] = output
-            problems = [f"exit {returncode}, documented {step.status}"] if returncode != step.status else []
+            problems = []
+            if returncode != step.status:  # an exit status, or how the walk killed it
+                problems.append(f"exit {returncode}, documented {step.status}" if isinstance(returncode, int) else
+                                f"{returncode} (documented: exit {step.status})")
             problems += [f"does not print {text!r}" for text in step.expect if text not in output]
             problems += [f"did not write {path}" for path in step.files if not os.path.exists(os.path.join(folder, path))]
             if not problems and step.before == "walk_readme_block":
@@ -205,23 +208,39 @@ def walk(folder):
 
 
 def _run(command, folder, env, timeout):
-    """bash -c command in folder -> (exit status, what it printed). Past timeout seconds, every process working in
-    the folder is killed (run.sh starts torchrun in a session of its own, so a process group is not enough) and
-    the status is 'killed after N s': a command that hangs fails the walk, it does not hang it."""
+    """bash -c command in folder -> (exit status, what it printed). Past timeout seconds, the command and every
+    process working in the folder are killed (run.sh starts torchrun in a session of its own, so a process group
+    is not enough) and the status is 'killed after N s': a command that hangs fails the walk, it does not hang it."""
     process = subprocess.Popen(["bash", "-c", command], cwd=folder, env=env, stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True)
     try:
         output = process.communicate(timeout=timeout)[0]
         return process.returncode, output
     except subprocess.TimeoutExpired:
-        for pid in filter(str.isdigit, os.listdir("/proc")):
-            try:
-                cwd = os.readlink(f"/proc/{pid}/cwd")
-                if cwd == folder or cwd.startswith(folder + os.sep):
-                    os.kill(int(pid), signal.SIGKILL)
-            except OSError:  # gone meanwhile, or not ours to read
-                pass
-        return f"killed after {timeout} s", process.communicate(timeout=60)[0]
+        process.kill()
+        while _kill_working_in(folder):  # again, for any started while the last round looked
+            time.sleep(0.5)
+        try:
+            output = process.communicate(timeout=30)[0]
+        except subprocess.TimeoutExpired as still:  # the pipe held open by a process elsewhere
+            output = still.output or ""
+            output = output.decode(errors="replace") if isinstance(output, bytes) else output
+            output += "\n(its output pipe is still held open by a process outside the walk's folder)"
+        return f"killed after {timeout} s", output
+
+
+def _kill_working_in(folder):
+    """SIGKILL every process (but this one) whose working folder is folder or inside it. -> how many."""
+    folder, killed = os.path.realpath(folder), 0
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cwd = os.readlink(f"/proc/{pid}/cwd")
+            if int(pid) != os.getpid() and (cwd == folder or cwd.startswith(folder + os.sep)):
+                os.kill(int(pid), signal.SIGKILL)
+                killed += 1
+        except OSError:  # gone meanwhile, or not ours to read
+            pass
+    return killed
 
 
 def _step(steps, time):
@@ -252,7 +271,8 @@ def copy_project(target):
 def main():
     parser = argparse.ArgumentParser(prog="tests/walk_docs.py", description=__doc__.split("\n")[0])
     parser.add_argument("--list", action="store_true", help="the commands in order and what the walk does with each")
-    parser.add_argument("--keep", metavar="DIR", help="walk in DIR (new or empty) and leave it there")
+    parser.add_argument("--keep", metavar="DIR", help="walk in DIR (new or empty) and leave it there (a command "
+                        "past its time is killed with every process working in DIR: keep no shell of yours there)")
     args = parser.parse_args()
     if args.list:
         times = {}
