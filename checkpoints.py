@@ -458,9 +458,10 @@ def continue_run_at(args, start, position):
     out = args.output_dir
     metrics, latest = os.path.join(out, "metrics.jsonl"), os.path.join(out, "checkpoint.pth")
     kept, dropped, total = _split_metrics(metrics, position.epoch)
+    # Resuming from another checkpoint of this run rewinds it, unless that one is checkpoint.pth's twin byte for
+    # byte (best.pth of the last epoch): nothing came after it, nothing to keep.
     rewind = (start.path is not None and paths.inside(start.path, out) and not paths.inside(start.path, latest)
-              and not (os.path.isfile(latest) and filecmp.cmp(start.path, latest, shallow=False)))  # (best.pth of the
-    # last epoch is checkpoint.pth's twin, byte for byte: nothing came after it, nothing to keep)
+              and not (os.path.isfile(latest) and filecmp.cmp(start.path, latest, shallow=False)))
     saved = []
     if rewind:
         for name in ("checkpoint.pth", "checkpoint.prev.pth", "best.pth"):

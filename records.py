@@ -125,8 +125,9 @@ def write_epoch(args, state, is_best, sample, record, writer=None, estimate=None
             "the machine has the cores" + ("" if args.cache_dir else ", or decode once with --cache-dir"))
     left = args.epochs - record["epoch"] - 1
     if estimate and left:  # after the first epoch, so that nobody wonders whether it hangs
-        whole = record["epoch_time_s"] - record["eval_time_s"] + record["eval_time_s"] * estimate  # as if whole
-        log(f"the other {left} epoch(s) will take about {timedelta(seconds=round(whole / estimate * left))}")
+        training = (record["epoch_time_s"] - record["eval_time_s"]) / estimate  # the whole epoch's training
+        per_epoch = training + record["eval_time_s"]
+        log(f"the other {left} epoch(s) will take about {timedelta(seconds=round(per_epoch * left))}")
 
 
 def best_text(miou):
