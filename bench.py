@@ -27,7 +27,6 @@ import dataset
 import images
 
 import main
-import records
 from dataset import NUM_CLASSES
 from synthetic import write_synthetic
 from models import build_model
@@ -227,7 +226,7 @@ def _timed(step, steps, cuda):
     if cuda:
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - start
-    return elapsed, torch.cuda.max_memory_allocated() / 2**30 if cuda else records.peak_memory_gib(torch.device("cpu"))
+    return elapsed, torch.cuda.max_memory_allocated() / 2**30 if cuda else main.peak_memory_gib(torch.device("cpu"))
 
 
 def _bucket_worker(rank, world_size, set_to_none, device, model_name, batch, size, steps, warmup, port, result_file):
@@ -301,11 +300,13 @@ def print_bucket_views(results):
             ("peak memory, in place / set_to_none", f"{place_gib / none_gib:.3f}", "(reported)", None)]
 
 
-# --- the checkpoint's digest: what verifying a checkpoint costs ----------------------------------------------------
-def checkpoint_digest(rounds=3, model_name="deeplabv3plus_resnet101"):
-    """The recipe's checkpoint (DeepLabV3+ ResNet-101 with SGD's momentum: what main.py saves after an epoch):
-    checkpoints.save (digest computed, then torch.save) against torch.save alone, and checkpoints.read (digest
-    checked) against torch.load alone, alternated; the fastest round of each. -> ({way: seconds}, bytes)."""
+# --- a checkpoint verified: what its CRC-32 check costs ------------------------------------------------------------
+def checkpoint_check(rounds=5, model_name="deeplabv3plus_resnet101"):
+    """The recipe's checkpoint (DeepLabV3+ ResNet-101 with SGD's momentum: what main.py saves after an epoch), in
+    turns, the fastest round of each: main.py's save; torch.load alone; checkpoints.read (every record's CRC-32
+    checked against the one torch.save wrote, then torch.load); the CRC-32 check alone; and a SHA-256 of the same
+    bytes, what the digest checkpoints carried before cost (it hashed every tensor). -> ({way: seconds}, bytes)."""
+    import hashlib
     import checkpoints
     torch.set_num_threads(1)
     model = build_model(model_name, dataset.NUM_CLASSES)
@@ -314,24 +315,32 @@ def checkpoint_digest(rounds=3, model_name="deeplabv3plus_resnet101"):
         p.grad = torch.zeros_like(p)
     optimizer.step()  # the momentum buffers exist, as after a step
     args = main.get_args_parser().parse_args(["--model", model_name])
-    state = checkpoints.state(model, optimizer, torch.amp.GradScaler("cpu", enabled=False), args, 1,
-                              {"names": dataset.CLASS_NAMES, "colors": dataset.CLASS_COLORS}, epoch=1, step=0,
-                              best_miou=0.5, epoch_loss_sum=0.0)
-    times = {"save before (temporary file, torch.save, fsync, rename)": [], "save now (the digest too)": [],
-             "read before (torch.load)": [], "read now (the digest checked)": [], "the digest alone": []}
+    state = main.checkpoint_state(model, optimizer, torch.amp.GradScaler("cpu", enabled=False), args,
+                                  {"names": dataset.CLASS_NAMES, "colors": dataset.CLASS_COLORS}, 1, 0, 0.5, 0.0)
+
+    def sha256(path):
+        digest = hashlib.sha256()
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 20):
+                digest.update(chunk)
+        return digest.hexdigest()
+
+    times = {"save (main.save_checkpoint: torch.save, fsync, rename)": [], "torch.load alone": [],
+             "read (checkpoints.read: the CRC-32s checked, then torch.load)": [], "the CRC-32 check alone": [],
+             "a SHA-256 of the same bytes (the digest's work)": []}
     with tempfile.TemporaryDirectory() as tmp:
-        plain, ours = os.path.join(tmp, "plain.pth"), os.path.join(tmp, "ours.pth")
+        path = os.path.join(tmp, "checkpoint.pth")
         for _ in range(rounds):
             for name, run in zip(times, (
-                    lambda: checkpoints.write_atomically(plain, lambda f: torch.save(state, f)),
-                    lambda: checkpoints.save(state, ours),
-                    lambda: torch.load(plain, map_location="cpu", weights_only=True),
-                    lambda: checkpoints.read("--resume", ours),
-                    lambda: checkpoints.digest(state))):
+                    lambda: main.save_checkpoint(state, path),
+                    lambda: torch.load(path, map_location="cpu", weights_only=True),
+                    lambda: checkpoints.read("--resume", path),
+                    lambda: checkpoints.verify("--resume", path),
+                    lambda: sha256(path))):
                 start = time.perf_counter()
                 run()
                 times[name].append(time.perf_counter() - start)
-        size = os.path.getsize(ours)
+        size = os.path.getsize(path)
     return {name: min(values) for name, values in times.items()}, size
 
 
@@ -546,8 +555,8 @@ def get_args_parser():
     parser.add_argument("--data", action="store_true", help="the data pipeline's measures alone (section 3)")
     parser.add_argument("--bucket-views", action="store_true", help="DDP's gradients zeroed in place against "
                         "set_to_none, side by side (with --gpu: on one GPU)")
-    parser.add_argument("--checkpoint", action="store_true", help="what the checkpoint digest costs on the "
-                        "recipe's checkpoint (ResNet-101)")
+    parser.add_argument("--checkpoint", action="store_true", help="what verifying a checkpoint (its CRC-32s) costs "
+                        "on the recipe's checkpoint (ResNet-101)")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--crop", type=int, default=768)
     parser.add_argument("--steps", type=int, default=20)
@@ -558,13 +567,13 @@ def get_args_parser():
 if __name__ == "__main__":
     args = get_args_parser().parse_args()
     if args.checkpoint:
-        times, size = checkpoint_digest(rounds=1 if args.quick else 3)
+        times, size = checkpoint_check(rounds=1 if args.quick else 5)
         print(f"CPU: {os.cpu_count()} cores, torch {torch.__version__}: the recipe's checkpoint, {size / 1e6:.0f} MB "
               f"(DeepLabV3+ ResNet-101 with SGD's momentum), on {tempfile.gettempdir()}; the fastest of the rounds:")
         for name, seconds in times.items():
-            print(f"  {name:<56} {seconds:6.2f} s")
-        save, read = list(times.values())[:2], list(times.values())[2:4]
-        print(f"  the digest: a save {save[1] / save[0]:.2f}x, a read {read[1] / read[0]:.2f}x")
+            print(f"  {name:<62} {seconds:6.2f} s")
+        _, load, read, crc, sha = times.values()
+        print(f"  a verified read / torch.load alone: {read / load:.2f}x; the CRC-32 check / a SHA-256: {crc / sha:.2f}x")
     elif args.bucket_views:
         print(f"{torch.cuda.get_device_name() if args.gpu else f'CPU: {os.cpu_count()} cores'}, torch "
               f"{torch.__version__}: DDP, gradient_as_bucket_view=True")

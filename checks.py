@@ -1,71 +1,70 @@
-"""The flags: every number checked where it is parsed, what several flags tell together, and the precision
-setting that main.py and predict.py share.
+"""The flags, checked after parsing: every number within its range, what several flags say together, and what this
+machine can do. main.py and predict.py parse with plain argparse types (int, float); these checks then say a
+mistake in one line that names the flag and its bound (errors.fail), before a model or a process group exists.
 
-    parser.add_argument("-b", type=checks.at_least(1))   # argparse: its usage line and one error line
-    checks.add_amp_argument(parser)                      # --amp [bf16|fp16], in both programs
-    crop_size = checks.check_args(args, use_cuda)        # what several flags tell together
-    checks.check_model_fits(args, crop_size)             # again once --output-stride is known (a checkpoint's)
-    autocast = checks.autocast(args, use_cuda)           # --amp's context; fp16 needs CUDA
-
-Each mistake ends in one line that names it and says what to do (paths.fail), before a process group,
-a model or a data loader exists. The folders the programs write are checked in paths.py.
+    checks.check_numbers(args, checks.MAIN)   # each number flag within its range (checks.PREDICT: predict.py's)
+    crop = checks.check_args(args, use_cuda)   # main.py: what several flags say together, and this machine
+    checks.check_model_fits(args, crop)        # again once --output-stride is known (a checkpoint's)
+    autocast = checks.autocast(args, use_cuda) # predict.py's --amp context (main.py's lesson makes its own)
 """
-import argparse
 import contextlib
 import functools
 import importlib
 import math
+from typing import NamedTuple
 
 import torch
 
 import paths
-from paths import fail
+from errors import fail
 
 
-def _number(kind, low=None, high=None, low_open=False, high_open=False):
-    """An argparse type: a finite `kind` within [low, high] (or open at either end)."""
-    def parse(text):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}")
-        too_low = low is not None and (value <= low if low_open else value < low)
-        too_high = high is not None and (value >= high if high_open else value > high)
-        if not math.isfinite(value) or too_low or too_high:
-            bounds = []
-            if low is not None:
-                bounds.append(f"{'above' if low_open else 'at least'} {low}")
-            if high is not None:
-                bounds.append(f"{'below' if high_open else 'at most'} {high}")
-            raise argparse.ArgumentTypeError(f"{text} must be {' and '.join(bounds) or 'finite'}")
-        return value
-    parse.__name__ = kind.__name__
-    return parse
+class Range(NamedTuple):
+    """The values a number flag takes: [low, high], either end open or absent (None)."""
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+
+    def holds(self, value):
+        above = self.low is None or (value > self.low if self.low_open else value >= self.low)
+        below = self.high is None or (value < self.high if self.high_open else value <= self.high)
+        return math.isfinite(value) and above and below
+
+    def __str__(self):
+        bounds = ([f"{'above' if self.low_open else 'at least'} {self.low:g}"] if self.low is not None else []) + \
+                 ([f"{'below' if self.high_open else 'at most'} {self.high:g}"] if self.high is not None else [])
+        return " and ".join(bounds) or "finite"
 
 
-def at_least(low, high=None):
-    """An integer flag of at least low (-b 1, -j 0, ...), at most high (--seed: what torch.manual_seed takes)."""
-    return _number(int, low, high)
+WEEK_MINUTES = 7 * 24 * 60  # --dist-timeout at most a week: longer is a typo, and timedelta's arithmetic overflows
+
+# main.py's number flags: {dest: (the flag as --help names it, its range)}. The numbers of --eval-* are inference.py's.
+MAIN = {
+    "crop_size": ("--crop-size", Range(1)), "scale_range": ("--scale-range", Range(0, low_open=True)),
+    "color_jitter": ("--color-jitter", Range(0, 1)), "workers": ("-j/--workers", Range(0)),
+    "epochs": ("--epochs", Range(1)), "start_epoch": ("--start-epoch", Range(0)),
+    "batch_size": ("-b/--batch-size", Range(1)), "accum_steps": ("--accum-steps", Range(1)),
+    "lr": ("--lr", Range(0, low_open=True)), "backbone_lr": ("--backbone-lr", Range(0)),
+    "momentum": ("--momentum", Range(0, 1, high_open=True)),  # a momentum of 1 never forgets, above 1 diverges
+    "weight_decay": ("--wd/--weight-decay", Range(0)), "print_freq": ("-p/--print-freq", Range(1)),
+    "seed": ("--seed", Range(0)), "dist_timeout": ("--dist-timeout", Range(0, WEEK_MINUTES, low_open=True)),
+    "check_only": ("--check-only", Range(1)), "local_rank": ("--local-rank", Range(0)),
+    "eval_scales": ("--eval-scales", Range(0, low_open=True)), "eval_crop": ("--eval-crop", Range(8)),
+    "eval_stride": ("--eval-stride", Range(1)),
+}
+PREDICT = {key: MAIN[key] for key in ("workers", "dist_timeout", "eval_scales", "eval_crop", "eval_stride")} | {
+    "alpha": ("--alpha", Range(0, 1)), "batch_size": ("-b/--batch-size", Range(1))}
 
 
-def positive(high=None):
-    """A number above 0 (--lr), at most high (--dist-timeout: a week)."""
-    return _number(float, 0, high, low_open=True)
-
-
-def non_negative():
-    return _number(float, 0)
-
-
-def fraction(high_open=True):
-    """A number in [0, 1) (--momentum; a momentum of 1 never forgets, above 1 diverges)."""
-    return _number(float, 0, 1, high_open=high_open)
-
-
-def add_amp_argument(parser):
-    parser.add_argument("--amp", nargs="?", const="bf16", choices=("bf16", "fp16"), default=None,
-                        help="mixed precision: bf16 (the default when given alone) or fp16 (CUDA only; with a "
-                             "GradScaler when training)")
+def check_numbers(args, ranges):
+    """Every number flag of args within its range (a flag given several numbers: each of them); else one line."""
+    for dest, (flag, allowed) in ranges.items():
+        value = getattr(args, dest, None)
+        for number in value if isinstance(value, (list, tuple)) else [value]:
+            if number is not None and not allowed.holds(number):
+                fail(f"{flag}: {number:g} must be {allowed}" if isinstance(number, float) else
+                     f"{flag}: {number} must be {allowed}")
 
 
 def autocast(args, use_cuda):
@@ -80,13 +79,19 @@ def autocast(args, use_cuda):
 
 
 def check_args(args, use_cuda):
-    """What several flags tell together, what this machine can do, and the folders they name (paths.py).
-    -> the crop as (height, width)."""
+    """What several of main.py's flags say together, what this machine can do, and the folders they name
+    (paths.py). -> the crop as (height, width)."""
     crop_size = args.crop_size * 2 if len(args.crop_size) == 1 else args.crop_size
     if len(crop_size) != 2 or min(crop_size) < 8:
         fail(f"--crop-size {' '.join(map(str, args.crop_size))}: give one or two numbers of at least 8")
     if args.scale_range[0] > args.scale_range[1]:
         fail(f"--scale-range {args.scale_range[0]:g} {args.scale_range[1]:g}: the first is the smallest scale")
+    # DistributedSampler seeds its shuffle with --seed + epoch, and torch.Generator.manual_seed takes at most
+    # 2**64 - 1 (torch.manual_seed, at the model's start, takes as much; numpy's SeedSequence any size).
+    if args.seed + args.epochs - 1 > 2**64 - 1:
+        fail(f"--seed {args.seed} with --epochs {args.epochs}: the sampler's seed of the last epoch (--seed + epoch) "
+             f"would pass 2**64 - 1, the most torch's generators take; give a --seed of at most {2**64 - args.epochs}")
+    autocast(args, use_cuda)  # --amp fp16 needs CUDA
     if use_cuda and not args.check_only and args.local_rank >= torch.cuda.device_count():
         fail(f"local rank {args.local_rank} but only {torch.cuda.device_count()} GPUs visible: start at most one "
              "process per GPU", this_rank=True)  # only the ranks past the last GPU see it
@@ -116,10 +121,12 @@ def check_args(args, use_cuda):
 
 
 def check_model_fits(args, crop_size):
-    """The crop holds enough for BatchNorm: with the flags (check_args), and again once --output-stride is known
-    (given, or the checkpoint's). The deepest feature map is the crop over the output stride; with one image and one value per
-    channel there, BatchNorm cannot compute batch statistics (ASPP's pooling branch is built for this; the rest
-    not)."""
+    """The model can be built at this output stride, and the crop holds enough for BatchNorm: with the flags
+    (check_args), and again once --model and --output-stride are known (given, or the checkpoint's). The deepest
+    feature map is the crop over the output stride; with one image and one value per channel there, BatchNorm
+    cannot compute batch statistics (ASPP's pooling branch is built for this; the rest not)."""
+    if args.model and "mobilenet" in args.model and args.output_stride == 8:
+        fail(f"--output-stride 8 with --model {args.model}: MobileNetV3's backbone has output stride 16 only")
     # Not known yet (a checkpoint's): MobileNetV3's one stride, or the ResNets' smaller; checked again once known.
     stride = args.output_stride or (16 if args.model and "mobilenet" in args.model else 8)
     deepest = math.ceil(crop_size[0] / stride) * math.ceil(crop_size[1] / stride)

@@ -31,11 +31,7 @@ from PIL import Image
 from torchvision import tv_tensors
 from torchvision.transforms.v2 import functional as F
 
-import paths
-from checks import at_least
-from images import cached, decode_label, read_image, seen_size
-from paths import BadInput, fail
-from recovery import log
+from images import BadInput, cached, decode_label, read_image, seen_size
 
 # The label table: torchvision carries the official one (cityscapesScripts' labels.py), so we read it
 # rather than typing it again. The 19 classes a model learns are those with 0 <= train_id < 255.
@@ -507,59 +503,6 @@ def open_dataset(root, split="train", **options):
     return (FolderDataset if own else Cityscapes)(root, split, **options)
 
 
-def open_datasets(args, crop_size, world_size):
-    """main.py's train and val sets, checked the same way on every rank before any training time is spent:
-    every file's header read, every val label decoded (and every mask of your own data); a val set with no
-    labelled pixel refused; classes that no training mask shows, and masks that are mostly ignore, said."""
-    try:
-        train_set = open_dataset(args.data, "train", crop_size=crop_size, seed=args.seed, cache_dir=args.cache_dir,
-                                 scale_range=args.scale_range, color_jitter=args.color_jitter)
-        val_set = open_dataset(args.data, "val", cache_dir=args.cache_dir)  # the same classes: one classes.json
-        train_counts, mostly_ignored = train_set.check_files()
-        val_counts, _ = val_set.check_files(decode_labels=True)  # found now, not after the first epoch
-    except BadInput as error:
-        fail(error)
-    names, data = train_set.classes["names"], paths.named("--data")
-    if not val_counts[:len(names)].any():
-        fail(f"the val labels of {data} {args.data} hold no pixel of any class, only ignored ones: mIoU would be "
-             "undefined; label the val images (or check ignore_index in classes.json)")
-    if train_counts is not None and not args.evaluate:  # your own data: every mask decoded
-        absent = [name for index, name in enumerate(names) if not train_counts[index]]
-        if absent:
-            ignored = train_counts[IGNORE_INDEX] > 0  # (the masks' ignore_index, mapped to 255)
-            log(f"warning: no training mask of {args.data} has a pixel of {', '.join(map(repr, absent))}: the model "
-                "cannot learn it; add images that show it, or remove it from classes.json (and renumber the masks)"
-                + (f". If the masks draw it with ignore_index {train_set.ignore_value} (masks saved as 0 and 255, "
-                   "say), save it as its class index instead" if ignored else ""))
-        if mostly_ignored:
-            log(f"warning: {len(mostly_ignored)} of {len(train_set)} training masks are more than half "
-                f"ignore_index {train_set.ignore_value} (e.g. {mostly_ignored[0]}), which the loss skips: if that "
-                "value marks a class (masks saved as 0 and 255), save them with its class index instead")
-    largest = train_set.largest  # (height, width), from the headers check_files read
-    reach = [side * args.scale_range[1] for side in largest]
-    if not args.evaluate and (crop_size[0] > reach[0] or crop_size[1] > reach[1]):
-        fits = f"{int(min(crop_size[0], reach[0]))} {int(min(crop_size[1], reach[1]))}"
-        scaled = f", scaled up to {args.scale_range[1]:g}x" if args.scale_range[1] != 1 else ""
-        log(f"warning: --crop-size {' '.join(map(str, args.crop_size))} is larger than every training image of "
-            f"{data} (at most {largest[1]}x{largest[0]}{scaled}): the crops are mostly padding, which the loss "
-            f"ignores, and a step costs what the crop does; --crop-size {fits} trains on image alone")
-    under_run_sh = os.environ.get("DEEPLAB_RUN_SH") == "1"
-    if world_size > len(val_set):
-        in_all = " in all (NPROC x NNODES)" if under_run_sh else ""
-        fail(f"{world_size} processes but only {len(val_set)} val images: use at most {len(val_set)} processes{in_all}")
-    accum_steps = getattr(args, "accum_steps", 1)
-    global_batch = args.batch_size * world_size * accum_steps
-    if not args.evaluate and global_batch > len(train_set):  # not one optimizer step an epoch
-        # run.sh chooses -b (and --accum-steps) itself: the user sets them after ./run.sh.
-        most = max(1, len(train_set) // (world_size * accum_steps))
-        smaller = f"./run.sh -b {most}" if under_run_sh else f"--batch-size {most}"
-        what = f"--batch-size {args.batch_size} x {world_size} process(es)" + (
-            f" x --accum-steps {accum_steps}" if accum_steps > 1 else "")
-        fail(f"{what} makes a global batch of {global_batch}, more than the {len(train_set)} training images: give "
-             f"{smaller} or less" + (" (or fewer --accum-steps)" if accum_steps > 1 else ""))
-    return train_set, val_set
-
-
 _preparing = None  # the data set a prepare_cache worker process fills the cache for
 
 
@@ -575,6 +518,7 @@ def _cache_frame(index):
 def prepare_cache(root, cache_dir, splits, workers):
     """Decode every frame of the splits into cache_dir, `workers` processes at a time (0: in this one). The
     cache folder is checked first: not the data set nor inside it, made where it is missing."""
+    import paths  # the harness's folder checks: only this command of the module needs them, training does not
     paths.check_folder("--prepare-cache", cache_dir, reads=[("--data", root)])
     sets = [open_dataset(root, split, cache_dir=cache_dir) for split in splits]  # every split found, then written
     paths.make_folder("--prepare-cache", cache_dir)
@@ -597,14 +541,18 @@ def get_args_parser():
     parser.add_argument("--prepare-cache", metavar="CACHE_DIR", required=True, help="the cache folder (--cache-dir)")
     parser.add_argument("--data", default="data/cityscapes", help="the data set's root")
     parser.add_argument("--split", nargs="+", choices=("train", "val", "test"), default=["train", "val"])
-    parser.add_argument("-j", "--workers", type=at_least(0), default=os.cpu_count(),
+    parser.add_argument("-j", "--workers", type=int, default=os.cpu_count(),
                         help="processes decoding at once; 0: this one")
     return parser
 
 
 if __name__ == "__main__":
-    args = get_args_parser().parse_args()
+    from errors import UserError
+    parser = get_args_parser()
+    args = parser.parse_args()
+    if args.workers < 0:
+        parser.error(f"argument -j/--workers: {args.workers} must be at least 0")
     try:
         prepare_cache(args.data, args.prepare_cache, args.split, args.workers)
-    except (BadInput, paths.UserError) as error:
+    except (BadInput, UserError) as error:
         sys.exit(f"dataset.py: error: {error}")

@@ -17,7 +17,17 @@ import secrets
 import numpy as np
 from PIL import Image, ImageOps
 
-from paths import BadInput, first_line
+
+
+class BadInput(ValueError):
+    """A file of the data set that cannot be used (damaged, mislabelled), found while reading it: said in one line
+    by the rank that read it (recovery.guard), also when a DataLoader worker raised it. The data's own error: this
+    module and dataset.py raise it without the harness's modules."""
+
+
+def first_line(error):
+    """An error's own first line, whole (a decoder's messages run over several lines)."""
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
 
 try:  # torchcodec: the decoder torchvision 0.29 names as its successor; bundles libpng, needs no FFmpeg
     from torchcodec.decoders import decode_image as _torchcodec_decode

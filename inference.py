@@ -5,6 +5,7 @@ images that do not fit in a GPU's memory), never scales or flips (it only ranks 
     inference.add_arguments(parser)            # --eval-scales, --eval-flip, --eval-crop, --eval-stride
     mode = inference.read_mode(args)           # None: plain, one forward of the whole image
     scores = inference.predict(model, images, mode)    # (N, classes, H, W); argmax over classes: the prediction
+    model = inference.wrap(model, args)        # main.py: a model whose forward predicts so (itself when plain)
 
 Every view (each scale, flipped or not) gives softmax probabilities at the input's resolution, and they are
 averaged. A sliding window (mmsegmentation's "slide" mode: crop 769, stride 513 on Cityscapes) runs the
@@ -15,24 +16,32 @@ equal probabilities. So one scale of 1.0 without flip, or a window as large as t
 the plain evaluation's predictions.
 """
 import math
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
-from checks import at_least, positive
-from paths import fail
+from errors import fail
+
+
+class Mode(NamedTuple):
+    """How to predict: the scales, with or without a flip, in a sliding window or not."""
+    scales: list                  # factors the image is resized by; [1.0]: its own size
+    flip: bool                    # its mirror image too
+    crop: tuple | None            # the window, (height, width); None: the whole image
+    stride: tuple | None          # the window's step, (height, width)
 
 
 def add_arguments(parser):
     group = parser.add_argument_group("test-time augmentation (main.py -e and predict.py; costs time: docs/predict.md)")
-    group.add_argument("--eval-scales", type=positive(), nargs="+", default=None, metavar="S",
+    group.add_argument("--eval-scales", type=float, nargs="+", default=None, metavar="S",
                        help="average over the image resized by each factor (mmsegmentation's Cityscapes set: "
                             "0.5 0.75 1.0 1.25 1.5 1.75)")
     group.add_argument("--eval-flip", action="store_true", help="average over the image and its mirror image too")
-    group.add_argument("--eval-crop", type=at_least(8), nargs="+", default=None, metavar="N",
+    group.add_argument("--eval-crop", type=int, nargs="+", default=None, metavar="N",
                        help="sliding window of this size, one number (square) or two (height width); an image "
                             "smaller than it is evaluated whole (mmsegmentation: 769)")
-    group.add_argument("--eval-stride", type=at_least(1), nargs="+", default=None, metavar="N",
+    group.add_argument("--eval-stride", type=int, nargs="+", default=None, metavar="N",
                        help="the window's step, one number or two (default: two thirds of the window; 769 -> 513)")
 
 
@@ -46,9 +55,9 @@ def _pair(flag, values):
 
 
 def read_mode(args, training=False):
-    """The --eval-* flags, checked: None for the plain evaluation, else {"scales", "flip", "crop", "stride"}
-    (crop and stride as (height, width) or None). training: main.py evaluates after each epoch, where a window
-    has its place (memory) and scales and flips do not; giving them is a mistake, said in one line."""
+    """The --eval-* flags, checked: None for the plain evaluation, else a Mode. training: main.py evaluates after
+    each epoch, where a window has its place (memory) and scales and flips do not; giving them is a mistake, said
+    in one line."""
     crop, stride = _pair("--eval-crop", args.eval_crop), _pair("--eval-stride", args.eval_stride)
     if stride and not crop:
         fail("--eval-stride without --eval-crop: give the window's size as well")
@@ -62,7 +71,7 @@ def read_mode(args, training=False):
     if training and (args.eval_scales is not None or args.eval_flip):
         fail("--eval-scales and --eval-flip are for -e (evaluating a checkpoint); the evaluation after each training "
              "epoch stays single-scale (--eval-crop, a sliding window, is taken)")
-    return {"scales": list(args.eval_scales or [1.0]), "flip": args.eval_flip, "crop": crop, "stride": stride}
+    return Mode(list(args.eval_scales or [1.0]), args.eval_flip, crop, stride)
 
 
 def describe(mode):
@@ -70,12 +79,12 @@ def describe(mode):
     if mode is None:
         return "single-scale"
     parts = []
-    if mode["scales"] != [1.0]:
-        parts.append("scales " + ",".join(f"{scale:g}" for scale in mode["scales"]))
-    if mode["flip"]:
+    if mode.scales != [1.0]:
+        parts.append("scales " + ",".join(f"{scale:g}" for scale in mode.scales))
+    if mode.flip:
         parts.append("flip")
-    if mode["crop"]:
-        parts.append(f"window {mode['crop'][0]}x{mode['crop'][1]} stride {mode['stride'][0]}x{mode['stride'][1]}")
+    if mode.crop:
+        parts.append(f"window {mode.crop[0]}x{mode.crop[1]} stride {mode.stride[0]}x{mode.stride[1]}")
     return " + ".join(parts) or "scales 1"
 
 
@@ -105,8 +114,8 @@ def slide(model, images, crop, stride):
 def _one_view(mode, size):
     """Whether mode is a single forward of the whole image at its size: one scale of 1, no flip, and no window or
     one as large as the image."""
-    whole = mode["crop"] is None or (mode["crop"][0] >= size[0] and mode["crop"][1] >= size[1])
-    return mode["scales"] == [1.0] and not mode["flip"] and whole
+    whole = mode.crop is None or (mode.crop[0] >= size[0] and mode.crop[1] >= size[1])
+    return mode.scales == [1.0] and not mode.flip and whole
 
 
 def predict(model, images, mode=None):
@@ -117,14 +126,14 @@ def predict(model, images, mode=None):
         return model(images)
     height, width = images.shape[-2:]
     total, views = 0, 0
-    for scale in mode["scales"]:
+    for scale in mode.scales:
         size = (max(1, int(height * scale + 0.5)), max(1, int(width * scale + 0.5)))  # rounded as mmsegmentation does
         scaled = images if size == (height, width) else F.interpolate(images, size, mode="bilinear",
                                                                       align_corners=False)
-        for flip in (False, True) if mode["flip"] else (False,):
+        for flip in (False, True) if mode.flip else (False,):
             view = scaled.flip(-1) if flip else scaled
-            if mode["crop"]:
-                probabilities = slide(model, view, mode["crop"], mode["stride"])
+            if mode.crop:
+                probabilities = slide(model, view, mode.crop, mode.stride)
             else:
                 probabilities = model(view).float().softmax(1)
             if flip:
@@ -146,5 +155,8 @@ class WithMode(torch.nn.Module):
         return predict(self.model, images, self.mode)
 
 
-def wrap(model, mode):
+def wrap(model, args):
+    """model, or one whose forward predicts with the --eval-* flags' mode (for code written for a plain model:
+    main.py's evaluate())."""
+    mode = read_mode(args)
     return model if mode is None else WithMode(model, mode)

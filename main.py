@@ -1,22 +1,27 @@
 """Train DeepLab (V3, V3+) on Cityscapes, or your own data, with DistributedDataParallel: the DDP tutorial's four
-steps with its holes fixed, each marked "Step N". It launches four ways (a process per GPU; no GPU: gloo on the CPU):
+steps with its holes fixed, each marked "Step N". Three ways to launch it (a process per GPU; no GPU: gloo on the
+CPU), and any of them evaluates a checkpoint with -e --resume PATH instead of training:
 
-    CUDA_VISIBLE_DEVICES=0,1 ./run.sh                                    # torchrun, one process per GPU
     torchrun --standalone --nproc_per_node=2 main.py --data data/cityscapes
     python -m torch.distributed.launch --nproc_per_node=2 main.py --data data/cityscapes   # deprecated
     python main.py --data data/cityscapes                                # one process, no process group
-    torchrun --standalone --nproc_per_node=2 main.py -e --resume output/best.pth   # evaluate a checkpoint
 
-Stopped (SIGTERM, Ctrl-C, a crash)? The same command with --resume auto carries on where it stopped. Beside
-the lesson: checks.py (flags), paths.py (the folders written), checkpoints.py (what a run starts from),
-recovery.py (signals, a lost peer, one-line errors), records.py (what a run writes), dataset.py, models.py.
+A fourth, CUDA_VISIBLE_DEVICES=0,1 ./run.sh, runs torchrun (one process per visible GPU) after the harness's checks.
+
+The lesson is this file with its harness taken out: every statement that names another module of this project,
+each marked "harness". What remains (Steps 1-4, the training step with gradient accumulation, the exact evaluation,
+saving a checkpoint and resuming from one) runs on torch, models.py and dataset.py alone: `python tests/lesson.py`
+prints it, and the tests run it. The harness attaches what a real run needs beside it: every mistake found before
+any work and said in one line, a stop that saves where the ranks are, a lost peer named, --resume auto, metrics and
+pictures (preflight.py, checkpoints.py, stops.py, records.py, recovery.py, inference.py).
 """
 import argparse
 import contextlib
 import os
+import resource
 import time
 from datetime import timedelta
-from types import SimpleNamespace
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -27,15 +32,13 @@ from torch.utils.data import DataLoader, Subset
 from torch.utils.data.distributed import DistributedSampler
 
 import checkpoints
-import checks
 import inference
-import paths
+import preflight
 import records
 import recovery
-from checks import at_least, fraction, non_negative, positive
-from dataset import IGNORE_INDEX, SkipFirst, default_workers, normalize, open_datasets
-from models import MODEL_NAMES
-from recovery import get_rank, get_world_size, is_main_process, log
+import stops
+from dataset import IGNORE_INDEX, SkipFirst, default_workers, normalize, open_dataset
+from models import MODEL_NAMES, build_model
 
 
 def get_args_parser():
@@ -48,61 +51,51 @@ def get_args_parser():
     parser.add_argument("--data", default="data/cityscapes", help="Cityscapes (leftImg8bit/, gtFine/) or your own "
                         "data (images/, masks/, classes.json) (default: %(default)s)")
     parser.add_argument("--model", choices=MODEL_NAMES, metavar="NAME", help="deeplabv3[plus]_resnet50, _resnet101 or "
-                        "_mobilenet_v3_large (default: deeplabv3plus_resnet101; a run that starts from a checkpoint, "
-                        "--resume or --weights: the checkpoint's model)")
-    parser.add_argument("--output-stride", type=int, choices=(8, 16), help="(default: 16; from a checkpoint: its own)")
+                        "_mobilenet_v3_large (default: deeplabv3plus_resnet101; with --resume: the checkpoint's)")
+    parser.add_argument("--output-stride", type=int, choices=(8, 16), help="(default: 16; with --resume: the "
+                        "checkpoint's)")
     parser.add_argument("--pretrained-backbone", default="imagenet", metavar="imagenet|PATH|none",
                         help="a fresh start's backbone: torchvision's ImageNet weights (downloaded once), a .pth, "
                         "none (default: %(default)s)")
-    parser.add_argument("--weights", metavar="PATH", help="start from a trained model (fine-tuning); a classifier for "
-                        "other classes starts afresh (--pretrained-backbone is then not used)")
-    parser.add_argument("--crop-size", type=at_least(1), nargs="+", default=[768], metavar="N",
+    parser.add_argument("--crop-size", type=int, nargs="+", default=[768], metavar="N",
                         help="training crop: one number (square) or two (height width) (default: 768)")
-    parser.add_argument("--scale-range", type=positive(), nargs=2, default=(1.0, 1.0), metavar=("MIN", "MAX"),
+    parser.add_argument("--scale-range", type=float, nargs=2, default=(1.0, 1.0), metavar=("MIN", "MAX"),
                         help="random rescaling before the crop (default: 1 1, the recipe's: none; DeepLab's papers: "
                         "0.5 2.0)")
-    parser.add_argument("--color-jitter", type=fraction(high_open=False), default=0.5, metavar="S",
-                        help="random brightness, contrast and saturation factors in [1-S, 1+S]; 0: off (default: "
-                        "%(default)s)")
+    parser.add_argument("--color-jitter", type=float, default=0.5, metavar="S", help="random brightness, contrast "
+                        "and saturation factors in [1-S, 1+S]; 0: off (default: %(default)s)")
     parser.add_argument("--cache-dir", metavar="DIR", help="keep each decoded frame there: decoded once")
-    parser.add_argument("-j", "--workers", type=at_least(0), help="data loading workers per process; 0: in the "
-                        "process itself (default: its share of the cores, less one)")
-    parser.add_argument("--epochs", type=at_least(1), default=162,
-                        help="total epochs (default: %(default)s, the recipe's 30k iterations)")
-    parser.add_argument("--start-epoch", type=at_least(0), default=0,
-                        help="first epoch, counted from 0 (default: %(default)s; --resume sets it)")
-    parser.add_argument("-b", "--batch-size", type=at_least(1), default=8,
-                        help="images per process per forward (default: %(default)s)")
-    parser.add_argument("--accum-steps", type=at_least(1), default=1, metavar="N",
-                        help="gradient accumulation: one optimizer step per N batches; the global batch is -b x "
-                        "processes x N (default: %(default)s)")
-    parser.add_argument("--lr", type=positive(), default=0.1,
-                        help="initial learning rate, decayed by poly(0.9) (default: %(default)s)")
-    parser.add_argument("--backbone-lr", type=non_negative(), default=0.1, metavar="FACTOR",
-                        help="the backbone's learning rate as a fraction of --lr (pretrained layers move slower) "
-                        "(default: %(default)s)")
-    parser.add_argument("--momentum", type=fraction(), default=0.9, help="SGD's (default: %(default)s)")
-    parser.add_argument("--wd", "--weight-decay", type=non_negative(), default=1e-4, dest="weight_decay",
-                        help="(default: %(default)s)")
-    parser.add_argument("-p", "--print-freq", type=at_least(1), default=10, help="print every N steps (default: "
+    parser.add_argument("-j", "--workers", type=int, help="data loading workers per process; 0: in the process "
+                        "itself (default: its share of the cores, less one)")
+    parser.add_argument("--epochs", type=int, default=162, help="total epochs (default: %(default)s, the recipe's "
+                        "30k iterations)")
+    parser.add_argument("--start-epoch", type=int, default=0, help="first epoch, counted from 0 (default: "
+                        "%(default)s; --resume sets it)")
+    parser.add_argument("-b", "--batch-size", type=int, default=8, help="images per process per forward (default: "
                         "%(default)s)")
-    parser.add_argument("--resume", default="", metavar="PATH|auto",
-                        help="checkpoint to resume from; 'auto': OUTPUT_DIR/checkpoint.pth if it exists")
+    parser.add_argument("--accum-steps", type=int, default=1, metavar="N", help="gradient accumulation: one optimizer "
+                        "step per N batches; the global batch is -b x processes x N (default: %(default)s)")
+    parser.add_argument("--lr", type=float, default=0.1, help="initial learning rate, decayed by poly(0.9) "
+                        "(default: %(default)s)")
+    parser.add_argument("--backbone-lr", type=float, default=0.1, metavar="FACTOR", help="the backbone's learning "
+                        "rate as a fraction of --lr (pretrained layers move slower) (default: %(default)s)")
+    parser.add_argument("--momentum", type=float, default=0.9, help="SGD's (default: %(default)s)")
+    parser.add_argument("--wd", "--weight-decay", type=float, default=1e-4, dest="weight_decay",
+                        help="(default: %(default)s)")
+    parser.add_argument("-p", "--print-freq", type=int, default=10, help="print every N steps (default: %(default)s)")
+    parser.add_argument("--resume", default="", metavar="PATH", help="a checkpoint to resume training from (with -e: "
+                        "the model to evaluate)")
     parser.add_argument("-e", "--evaluate", action="store_true", help="evaluate --resume's model, no training")
-    parser.add_argument("--seed", type=at_least(0, 2**32 - 1), default=0, help="(default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
     parser.add_argument("--output-dir", default="output", help="(default: %(default)s)")
-    parser.add_argument("--overwrite", action="store_true", help="train afresh into an --output-dir that holds "
-                        "another run, which is moved into OUTPUT_DIR/replaced-DATE/ (nothing is deleted)")
-    checks.add_amp_argument(parser)  # --amp [bf16|fp16], as predict.py has it (checks.py)
+    parser.add_argument("--amp", nargs="?", const="bf16", choices=("bf16", "fp16"), help="mixed precision: bf16 (the "
+                        "default when given alone) or fp16 (CUDA only; with a GradScaler)")
     parser.add_argument("--save-predictions", metavar="DIR",
                         help="write each val prediction as a PNG (Cityscapes: labelIds, the official evaluation's)")
-    parser.add_argument("--tensorboard", action="store_true", help="curves and pictures in OUTPUT_DIR/tensorboard")
     parser.add_argument("--dist-backend", choices=("nccl", "gloo"), help="(default: nccl with CUDA, gloo on the CPU)")
-    parser.add_argument("--dist-timeout", type=positive(7 * 24 * 60), default=5.0, metavar="MINUTES",
-                        help="a collective that waits longer than this (a lost peer) ends the job (default: "
-                        "%(default)s; PyTorch's own: 30 for gloo, 10 for NCCL)")
-    parser.add_argument("--check-only", type=at_least(1), metavar="WORLD_SIZE", help="check flags, data and "
-                        "checkpoints for WORLD_SIZE processes, then exit (run.sh does, before torchrun)")
+    parser.add_argument("--dist-timeout", type=float, default=5.0, metavar="MINUTES", help="a collective that waits "
+                        "longer than this (a lost peer) ends the job (default: %(default)s; PyTorch's own: 30 for "
+                        "gloo, 10 for NCCL)")
     parser.add_argument("--sync-bn", action=argparse.BooleanOptionalAction,
                         help="SyncBatchNorm (default: on with CUDA and more than one process)")
     parser.add_argument("--channels-last", action=argparse.BooleanOptionalAction,
@@ -110,13 +103,38 @@ def get_args_parser():
     parser.add_argument("--compile", action="store_true", help="torch.compile the DDP model")
     parser.add_argument("--find-unused-parameters", action="store_true",
                         help="only for models with parameters that get no gradient; costs a graph walk a step")
-    inference.add_arguments(parser)  # -e with multi-scale, flip, sliding window: --eval-scales, ... (inference.py)
+    preflight.add_arguments(parser)  # harness: --weights, --overwrite, --tensorboard, --check-only, --eval-*
     # Step 1: the local rank, the GPU this process drives. The tutorial reads --local_rank; since PyTorch 2.0
     # torch.distributed.launch passes --local-rank, and torchrun passes no argument at all, only the
     # environment variable LOCAL_RANK. Accept both spellings, and fall back to the environment.
-    parser.add_argument("--local-rank", "--local_rank", type=at_least(0), dest="local_rank",
+    parser.add_argument("--local-rank", "--local_rank", type=int, dest="local_rank",
                         default=int(os.environ.get("LOCAL_RANK", 0)), help="(default: $LOCAL_RANK, else 0)")
     return parser
+
+
+# Who is who. Before init_process_group (Step 2) every process is rank 0 of 1, and the lesson logs nothing then.
+def get_rank():
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def get_world_size():
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def is_main_process():
+    """Global rank 0, not local rank 0: with several nodes that would be one per node."""
+    return get_rank() == 0
+
+
+def log(*message):
+    """Rank 0 alone prints: the other ranks' lines would say the same again."""
+    if is_main_process():
+        print(*message, flush=True)
+
+
+def global_batch(args):
+    """Images per optimizer step over every process: -b x processes x --accum-steps."""
+    return args.batch_size * get_world_size() * args.accum_steps
 
 
 def all_reduce(tensor, op=dist.ReduceOp.SUM):
@@ -124,6 +142,20 @@ def all_reduce(tensor, op=dist.ReduceOp.SUM):
     if dist.is_initialized():
         dist.all_reduce(tensor, op=op)
     return tensor
+
+
+def peak_memory_gib(device):
+    """This process's peak memory: allocated on its GPU, or resident on the CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # resident set, KiB on Linux
+
+
+def autocast(args, device):
+    """--amp's mixed precision (a context that does nothing without it). bfloat16 has float32's range; float16
+    does not, and needs the GradScaler train() makes for it."""
+    dtype = torch.float16 if args.amp == "fp16" else torch.bfloat16
+    return torch.autocast(device.type, dtype=dtype, enabled=args.amp is not None)
 
 
 def criterion(logits, labels):
@@ -151,29 +183,31 @@ def adjust_learning_rate(optimizer, base_lr, step, total_steps):
     return lr
 
 
-def train_one_epoch(model, optimizer, scaler, loader, device, epoch, first_step, steps_per_epoch, args,
-                    autocast=contextlib.nullcontext, memory_format=torch.contiguous_format, writer=None):
-    """Train on this rank's shard of one epoch from optimizer step first_step on (loader yields only the batches not
-    seen; each step takes --accum-steps of them). writer: TensorBoard's, or None. -> {"loss_sum": over ranks and
-    steps, "steps": done, "lr": the last, "images_per_s": over all ranks, "data_wait": the largest fraction of its
-    time a rank waited for data, "stopped": None, "signal" or "nonfinite", "peak_memory_gib": each rank's}."""
+class EpochStats(NamedTuple):
+    """What train_one_epoch measured, the same on every rank."""
+    loss_sum: float          # the loss summed over the steps and the ranks
+    steps: int               # optimizer steps done
+    lr: float                # the last step's
+    images_per_s: float      # over all ranks
+    data_wait: float         # the largest fraction of its time a rank waited for data
+    peak_memory_gib: list    # each rank's: rank 0 should carry no more than the others (DataParallel's first GPU did)
+    seconds: float           # the time it took
+
+
+def train_one_epoch(model, optimizer, scaler, loader, device, epoch, first_step, steps_per_epoch, args):
+    """Train on this rank's shard of one epoch, from optimizer step first_step on (the loader yields only the
+    batches not yet seen); each step takes --accum-steps batches. -> EpochStats."""
     model.train()
     world_size, rank = get_world_size(), get_rank()
-    images_per_step = args.batch_size * args.accum_steps * world_size  # the global batch
+    images_per_step = global_batch(args)
+    memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
+    no_sync = getattr(model, "no_sync", contextlib.nullcontext)  # a plain model (no DDP) never all-reduces anyway
     loss_sum = torch.zeros((), device=device)
-    vote = recovery.StopVote(device)
-    # A plain model (one process, no DDP) has no no_sync: it never all-reduces anyway.
-    no_sync = getattr(model, "no_sync", contextlib.nullcontext)
-    start = window_start = time.time()
-    steps = 0
-    window_steps = 0
-    data_wait = 0.0
-    window_wait = 0.0
-    lr = 0.0
-    stopped = None
+    start = time.time()
+    steps, data_wait, lr = 0, 0.0, 0.0
+    printed = (start, 0, 0.0)  # (time, steps, data_wait) when the last line was printed
     batches = iter(loader)
     for step in range(first_step, steps_per_epoch):
-        recovery.note_step(epoch * steps_per_epoch + step)
         lr = adjust_learning_rate(optimizer, args.lr, epoch * steps_per_epoch + step, args.epochs * steps_per_epoch)
         # In place, not set_to_none: DDP's gradients are views of its all-reduce buckets (gradient_as_bucket_view),
         # and a gradient set to None comes back as a new tensor that DDP copies into its bucket every step.
@@ -182,9 +216,7 @@ def train_one_epoch(model, optimizer, scaler, loader, device, epoch, first_step,
         for micro_step in range(args.accum_steps):
             waited = time.time()
             images, labels = next(batches)  # the loop waits for data here (a GPU may still run queued work)
-            waited = time.time() - waited
-            data_wait += waited
-            window_wait += waited
+            data_wait += time.time() - waited
             seed_step(args.seed, epoch, step, rank * args.accum_steps + micro_step)
             # uint8 from the workers (a quarter of float32's bytes to move), made float and normalised here.
             images = normalize(images.to(device, non_blocking=True, memory_format=memory_format))
@@ -192,10 +224,12 @@ def train_one_epoch(model, optimizer, scaler, loader, device, epoch, first_step,
             # Gradient accumulation (--accum-steps N): N batches make one optimizer step. DDP all-reduces the
             # gradients in every backward; inside model.no_sync() it only adds them up on this rank, so only the
             # last batch's backward pays for the all-reduce. Each loss is divided by N: N batches on one process
-            # then give the update of one batch on each of N processes.
+            # give the gradient of one batch on each of N processes, except for BatchNorm, whose statistics come
+            # from each forward's own batch (-b x processes images with SyncBatchNorm, which gathers them in every
+            # forward, no_sync or not), never from the N batches together.
             last = micro_step == args.accum_steps - 1
             with contextlib.nullcontext() if last else no_sync():
-                with autocast():
+                with autocast(args, device):
                     micro_loss = criterion(model(images), labels) / args.accum_steps
                 scaler.scale(micro_loss).backward()  # the last: DDP all-reduces (averages) gradients, bucket by bucket
             loss += micro_loss.detach()
@@ -203,52 +237,36 @@ def train_one_epoch(model, optimizer, scaler, loader, device, epoch, first_step,
         scaler.update()
         loss_sum += loss
         steps += 1
-        window_steps += 1
-        # The ranks agree whether to stop: a signal reached one (preemption), or one's loss is NaN or infinite.
-        # Each optimizer step votes, and the vote of the step before is read, long done: the GPU never waits for it.
-        # A signal during an accumulation is read after its step: the step is finished, never half done.
-        stopped = vote.cast(loss)
         if (step + 1) % args.print_freq == 0 or step + 1 == steps_per_epoch:
-            # The loss printed is the mean over ranks, not rank 0's alone: every rank joins this. (.item() waits
-            # for the step to finish: only on the steps that print.)
+            # The mean over ranks, not rank 0's alone: every rank joins this. (.item() waits for the step to finish:
+            # only on the steps that print.) A data time near the step time means the GPU starves.
             mean_loss = all_reduce(loss.clone()).item() / world_size
-            now = time.time()
-            images_per_s = window_steps * images_per_step / (now - window_start)
+            now, (then, steps_then, waited_then) = time.time(), printed
+            step_time = (now - then) / (steps - steps_then)
+            data_time = (data_wait - waited_then) / (steps - steps_then)
             eta = (now - start) / steps * (steps_per_epoch - step - 1 + (args.epochs - epoch - 1) * steps_per_epoch)
-            # Step time and, within it, the wait for data (as the MetricLogger of torchvision's reference scripts
-            # shows them): a data time near the step time means the GPU starves.
             log(f"epoch {epoch} step {step + 1}/{steps_per_epoch} loss {mean_loss:.4f} lr {lr:.5f} "
-                f"{images_per_s:.1f} img/s time {(now - window_start) / window_steps:.3f} s (data "
-                f"{window_wait / window_steps:.3f} s) eta {timedelta(seconds=round(eta))} peak mem "
-                f"{records.peak_memory_gib(device):.2f} GiB")
-            writer = records.draw(writer, epoch * steps_per_epoch + step + 1,  # x: the iteration, continued on resume
-                                  {"train/loss": mean_loss, "train/lr": lr, "train/images_per_s": images_per_s})
-            window_start = now
-            window_steps = 0
-            window_wait = 0.0
-        if stopped and step + 1 < steps_per_epoch:  # at the last step the epoch is done: evaluated, then stopped
+                f"{images_per_step / step_time:.1f} img/s time {step_time:.3f} s (data {data_time:.3f} s) "
+                f"eta {timedelta(seconds=round(eta))} peak mem {peak_memory_gib(device):.2f} GiB")
+            records.draw(epoch * steps_per_epoch + step + 1, mean_loss, lr, images_per_step / step_time)  # harness
+            printed = (now, steps, data_wait)
+        if stops.requested(loss):  # harness: every rank stops at the same step: a signal, or a NaN (stops.py)
             break
-    else:  # every step done: a NaN in the last votes still stops it; a signal, after the evaluation
-        stopped = "nonfinite" if "nonfinite" in (stopped, vote.result()) else None
     elapsed = max(time.time() - start, 1e-9)
-    # The epoch's sums over the ranks; the largest data wait; and each rank's peak memory (GPU: allocated,
-    # CPU: resident), to see that rank 0 carries no more than the others, as DataParallel's first GPU did.
-    sums = torch.zeros(world_size + 1, device=device)
-    sums[0] = loss_sum
-    sums[1 + rank] = records.peak_memory_gib(device)
+    sums = torch.zeros(world_size + 1, device=device)  # the loss, and each rank's peak memory in its own place
+    sums[0], sums[1 + rank] = loss_sum, peak_memory_gib(device)
     all_reduce(sums)
     data_wait = all_reduce(torch.tensor([data_wait / elapsed], device=device), dist.ReduceOp.MAX)
-    return {"loss_sum": sums[0].item(), "steps": steps, "lr": lr, "data_wait": data_wait.item(),
-            "images_per_s": steps * images_per_step / elapsed, "stopped": stopped,
-            "peak_memory_gib": sums[1:].tolist()}
+    return EpochStats(sums[0].item(), steps, lr, steps * images_per_step / elapsed, data_wait.item(),
+                      sums[1:].tolist(), elapsed)
 
 
 def sync_buffers(model):
     """Give every rank rank 0's buffers (BatchNorm running statistics), so that every rank evaluates the model rank
-    0 saves. DDP broadcasts rank 0's buffers at the start of a training forward that follows one outside no_sync
-    (each forward without --accum-steps; the first batch of each step with it), and each rank's forwards then move
-    them with its own batches: after the last step every rank holds rank 0's statistics moved by its own last
-    batches. (SyncBatchNorm on CUDA moves them alike on every rank; plain BatchNorm on the CPU does not.)"""
+    0 saves. DDP broadcasts rank 0's buffers at the start of a forward that follows a gradient-enabled forward
+    outside no_sync (once a step with --accum-steps), and each rank's batches then move its own copy: after the
+    last step every rank holds rank 0's statistics moved by its own last batch. (SyncBatchNorm on CUDA moves them
+    alike on every rank; plain BatchNorm on the CPU does not.)"""
     if dist.is_initialized():
         for buffer in model.buffers():
             dist.broadcast(buffer, src=0)
@@ -261,20 +279,20 @@ def eval_shard(dataset_size, rank, world_size):
 
 
 @torch.inference_mode()
-def evaluate(model, loader, device, num_classes, autocast=contextlib.nullcontext, save_dir=None):
+def evaluate(model, loader, device, num_classes, args, save_dir=None):
     """Confusion matrix (true class x predicted class) over this rank's val images, summed over all ranks.
-    Runs on the unwrapped model: without gradients DDP adds nothing, and its first forward after training would
-    broadcast rank 0's buffers, a collective hidden in the loop (sync_buffers did that already). The only
-    collective is the final all_reduce, so ranks may hold different numbers of images. loader:
-    Subset(val set, this rank's indices), batch size 1. save_dir: write each prediction there.
-    -> (confusion, (image, label, prediction) of this rank's first image, for the picture)."""
+    model: the unwrapped one. Through DDP, the first forward after training would broadcast rank 0's buffers (a
+    collective hidden in the loop: sync_buffers did that already), and without gradients DDP adds nothing. The
+    only collective is the final all_reduce, so ranks may hold different numbers of images. loader: Subset(val
+    set, this rank's indices), batch size 1. save_dir: write each prediction there.
+    -> (confusion, (image, label, prediction) of this rank's first image, for a picture)."""
     model.eval()
     confusion = torch.zeros(num_classes * num_classes, dtype=torch.int64, device=device)
     first = None
     for position, (images, labels) in enumerate(loader):
         images = images.to(device, non_blocking=True)
         labels = labels.to(device, non_blocking=True).long()
-        with autocast():
+        with autocast(args, device):
             predictions = model(normalize(images)).argmax(1)  # full resolution: the model upsamples its logits
         labelled = labels != IGNORE_INDEX
         confusion += torch.bincount(labels[labelled] * num_classes + predictions[labelled],
@@ -298,27 +316,66 @@ def iou_from_confusion(confusion):
     return miou, iou
 
 
-def prepare(args):
-    """Everything a user can get wrong, found in this process alone before Step 1, and before anything is
-    written: the flags, the checkpoint the run starts from, the data, the model, the output folders. -> what
-    the run needs. (Rank 0 makes the folders last, with every check passed; run.sh's --check-only stops before.)"""
-    use_cuda = torch.cuda.is_available()
-    crop_size = checks.check_args(args, use_cuda)
-    autocast = checks.autocast(args, use_cuda)
-    eval_mode = inference.read_mode(args, training=not args.evaluate)  # a mistake in --eval-* found before any work
-    recovery.set_quiet(bool(args.check_only))
-    paths.hold_output(args)  # no other run writes into --output-dir while this one does (paths.py)
-    start = checkpoints.decide_start(args)  # --resume PATH|auto, a restart, --weights: read now, on every rank
-    checks.check_model_fits(args, crop_size)  # --model is known now: the checkpoint's, unless given
-    paths.check_no_run_replaced(args, start)  # another run in --output-dir is continued, or moved aside
-    train_set, val_set = open_datasets(args, crop_size, args.check_only or get_world_size())  # read, checked
-    model = checkpoints.start_model(args, train_set.classes, start)  # on the CPU, with the weights it starts from
-    if is_main_process() and not args.check_only:  # before init_process_group, which the other ranks wait in
-        paths.make_run_outputs(args, start)
-    channels_last = args.channels_last if args.channels_last is not None else use_cuda
-    memory_format = torch.channels_last if channels_last else torch.contiguous_format
-    return SimpleNamespace(train_set=train_set, val_set=val_set, classes=train_set.classes, model=model, start=start,
-                           autocast=autocast, memory_format=memory_format, eval_mode=eval_mode)
+class Evaluation(NamedTuple):
+    miou: float
+    iou: torch.Tensor        # per class, NaN for a class absent from val
+    sample: tuple            # (image, label, prediction) of this rank's first val image
+    seconds: float
+
+
+def validate(model, loader, device, classes, args, save_dir=None):
+    """evaluate(), then the per-class IoU table printed. -> Evaluation."""
+    start = time.time()
+    confusion, sample = evaluate(model, loader, device, len(classes["names"]), args, save_dir)
+    miou, iou = iou_from_confusion(confusion)
+    lines = [f"  {name:<14} {value * 100:6.2f}" for name, value in zip(classes["names"], iou.tolist())]
+    log("per-class IoU (%, nan: not in val):\n" + "\n".join(lines) + f"\n  {'mIoU':<14} {miou * 100:6.2f}")
+    return Evaluation(miou, iou, sample, time.time() - start)
+
+
+def checkpoint_state(model, optimizer, scaler, args, classes, epoch, step, best_miou, epoch_loss_sum):
+    """What a checkpoint holds: plain data, which torch.load(weights_only=True) reads back (vars(args), not the
+    Namespace). epoch, step: the next optimizer step to run; epoch_loss_sum: the loss summed so far in that epoch."""
+    return {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "scaler": scaler.state_dict(),
+            "epoch": epoch, "step": step, "best_miou": best_miou, "epoch_loss_sum": epoch_loss_sum,
+            "args": vars(args), "world_size": get_world_size(), "classes": classes}
+
+
+@checkpoints.keeping_previous  # harness: the one it replaces kept as checkpoint.prev.pth; a full disk in one line
+def save_checkpoint(state, path):
+    """Into a temporary file, flushed to the disk, then renamed over the old one: a crash mid-write leaves the old
+    checkpoint whole. Rank 0 alone calls it: several ranks writing one file corrupt it."""
+    with open(path + ".tmp", "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(path + ".tmp", path)
+
+
+def build(args):
+    """The data, the checkpoint a run starts from (--resume) and the model, read the same way on every rank, on
+    the CPU. -> (train_set, val_set, model, checkpoint or None)."""
+    checkpoint = None
+    if args.resume:
+        # map_location="cpu": otherwise every rank loads onto the GPU the checkpoint was saved from (rank 0's),
+        # and that GPU holds a copy per rank. weights_only=True: a checkpoint is data, not code.
+        checkpoint = torch.load(args.resume, map_location="cpu", weights_only=True)
+    saved = checkpoint.get("args", {}) if checkpoint else {}  # the flags it was trained with: it knows its model
+    args.model = args.model or saved.get("model", "deeplabv3plus_resnet101")
+    args.output_stride = args.output_stride or saved.get("output_stride", 16)
+    crop_size = args.crop_size * 2 if len(args.crop_size) == 1 else args.crop_size  # one number: a square
+    train_set = open_dataset(args.data, "train", crop_size=crop_size, seed=args.seed, cache_dir=args.cache_dir,
+                             scale_range=args.scale_range, color_jitter=args.color_jitter)
+    val_set = open_dataset(args.data, "val", cache_dir=args.cache_dir)  # the same classes: one classes.json
+    checkpoint = checkpoints.checked(checkpoint, args, train_set.classes)  # harness: this model's, whole, fitting
+    torch.manual_seed(args.seed)  # the same initial weights on every rank, and in every run of this seed
+    # A checkpoint holds every weight: only a fresh start fetches the pretrained backbone.
+    model = build_model(args.model, train_set.num_classes, args.output_stride,
+                        "none" if checkpoint else args.pretrained_backbone)
+    checkpoints.load_weights(model, args, train_set.classes)  # harness: --weights, fine-tuning from a trained model
+    if checkpoint:
+        model.load_state_dict(checkpoint.pop("model"))  # copied into the model: not kept a second time
+    return train_set, val_set, model, checkpoint
 
 
 def make_optimizer(model, args):
@@ -330,40 +387,19 @@ def make_optimizer(model, args):
                            lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay)
 
 
-def evaluate_checkpoint(args, model, val_loader, run, device):
-    """-e: evaluate --resume's model on val, print the table; rank 0 writes eval.json and the picture."""
-    start = time.time()
-    names = run.classes["names"]
-    confusion, sample = evaluate(inference.wrap(model, run.eval_mode), val_loader, device, len(names), run.autocast,
-                                 args.save_predictions)
-    miou, iou = iou_from_confusion(confusion)
-    records.print_iou_table(miou, iou, names)
-    elapsed = time.time() - start
-    num_images = len(run.val_set)  # each image once over the ranks
-    if is_main_process():
-        records.write_eval(args, {"miou": miou, "iou": records.iou_dict(iou, names), "num_images": num_images,
-                                  "checkpoint": run.start.path, "eval_time_s": elapsed,
-                                  "mode": inference.describe(run.eval_mode), "images_per_s": num_images / elapsed},
-                           sample, run.classes["colors"])
-
-
-@recovery.guarded("main.py", folder="output_dir")  # a mistake ends in one line, a lost peer is named (recovery.py)
+@recovery.guarded("main.py")  # harness: a mistake in one line, a lost peer named, signals (recovery.py)
 def main(args):
-    # Before the tutorial's steps, every mistake a user can make is found in this one process, before any GPU or
-    # process group is touched and before anything is written. run.sh runs this part alone first (--check-only),
-    # so that a mistake is said once, not by every worker and again after each of torchrun's restarts.
-    run = prepare(args)
-    if args.check_only:
-        return
+    args.resume = preflight.start(args)  # harness: every flag checked; --resume auto, a torchrun restart: a path
+    train_set, val_set, model, checkpoint = build(args)
+    preflight.check(args, train_set, val_set, checkpoint)  # harness: the data; --check-only ends here; folders made
 
     # Step 1 (continued): the GPU this process drives, local_rank (parsed in get_args_parser). Before anything
     # touches CUDA: this process's CUDA context, its "cuda" tensors and NCCL's work then go to its own GPU, not
     # all to GPU 0.
-    local_rank = args.local_rank
     use_cuda = torch.cuda.is_available()
     if use_cuda:
-        torch.cuda.set_device(local_rank)
-    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+        torch.cuda.set_device(args.local_rank)
+    device = torch.device("cuda", args.local_rank) if use_cuda else torch.device("cpu")
 
     # Step 2: the process group. The tutorial hard-codes nccl, which needs GPUs; gloo runs on the CPU. The
     # launchers set RANK and WORLD_SIZE; without them this is one plain process, which needs no group. (Under a
@@ -371,29 +407,46 @@ def main(args):
     # fails after the timeout: PyTorch's default is 30 minutes for gloo and 10 for NCCL; --dist-timeout, 5.
     distributed = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     if distributed:
-        with recovery.waiting_for_peers(args.dist_timeout):  # says what it waits for, if it waits (recovery.py)
-            dist.init_process_group(backend=args.dist_backend or ("nccl" if use_cuda else "gloo"),
-                                    timeout=timedelta(minutes=args.dist_timeout))
-        recovery.start_heartbeat()  # every rank's step, so that a lost peer can be named (recovery.py)
-    rank, world_size = get_rank(), get_world_size()
-    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))  # torchrun's count of restarts after a failure
-    log(f"{world_size} process(es), backend {dist.get_backend() if distributed else 'none'}, device {device.type}, "
-        f"global batch {args.batch_size * world_size * args.accum_steps} (-b {args.batch_size} x {world_size} "
-        f"process(es) x --accum-steps {args.accum_steps})" + (f", restart {restarts} by torchrun" if restarts else ""))
+        recovery.watch_peers(args.dist_timeout)  # harness: says what it waits for; then each rank's heartbeat
+        dist.init_process_group(backend=args.dist_backend or ("nccl" if use_cuda else "gloo"),
+                                timeout=timedelta(minutes=args.dist_timeout))
+    log(f"{get_world_size()} process(es), backend {dist.get_backend() if distributed else 'none'}, device "
+        f"{device.type}, global batch {global_batch(args)} (-b {args.batch_size} x {get_world_size()} process(es) "
+        f"x --accum-steps {args.accum_steps})")
 
-    # Step 3: the model, wrapped in DDP. prepare() built it, with the weights it starts from, the same on every
-    # rank (DDP would also broadcast rank 0's when it wraps it). channels_last (NHWC): measured 1.36x faster with
-    # bf16 on an H200 (BENCHMARKS.md; fp32 not measured yet).
-    model = run.model.to(device, memory_format=run.memory_format)
+    model, model_without_ddp = wrap_model(model, args, device, distributed)  # Step 3, below
+    loaders = make_loaders(train_set, val_set, args, use_cuda)  # Step 4, below
+    stops.shield_workers(loaders.train, loaders.val)  # harness: a stop to every process of the job is this one's
+    model_to_evaluate = model_without_ddp  # evaluate() takes the unwrapped model
+    model_to_evaluate = inference.wrap(model_to_evaluate, args)  # harness: -e's multi-scale, flip, sliding window
+    if args.evaluate:
+        evaluation = validate(model_to_evaluate, loaders.val, device, train_set.classes, args, args.save_predictions)
+        records.write_eval(args, evaluation, train_set.classes, len(val_set))  # harness: eval.json, its picture
+    else:
+        train(args, model, model_without_ddp, model_to_evaluate, checkpoint, train_set, loaders, device)
+    if distributed:
+        recovery.stop_heartbeat()  # harness: before the process group goes (it writes into the group's store)
+        dist.destroy_process_group()  # without it NCCL warns of leaked resources at exit
+
+
+def wrap_model(model, args, device, distributed):
+    """-> (the model to train, the same model without DDP)."""
+    # Step 3: the model, wrapped in DDP. build() made it, with the weights it starts from, the same on every rank
+    # (DDP would also broadcast rank 0's when it wraps it). channels_last (NHWC): measured 1.36x faster with bf16
+    # on an H200 (BENCHMARKS.md; fp32 not measured yet).
+    use_cuda = device.type == "cuda"
+    args.channels_last = use_cuda if args.channels_last is None else args.channels_last
+    model = model.to(device, memory_format=torch.channels_last if args.channels_last else torch.contiguous_format)
     if use_cuda:
         # cuDNN times its kernels for each new input size once. Training crops have one size, and so do
         # Cityscapes' val images; a folder data set's val images of many sizes are timed once per size.
         torch.backends.cudnn.benchmark = True
-    sync_bn = args.sync_bn if args.sync_bn is not None else use_cuda
-    if sync_bn and world_size > 1:
-        # Batch statistics over the global batch, not over each GPU's 2-8 images: segmentation batches per GPU
-        # are small, and BatchNorm on them is noisy. Not on the CPU: DDP refuses SyncBatchNorm there. Not with
-        # one process: on a GPU it is then plain BatchNorm, and ASPP's pooling BatchNorm keeps its case of one image.
+    sync_bn = use_cuda if args.sync_bn is None else args.sync_bn
+    if sync_bn and get_world_size() > 1:
+        # Batch statistics over every process's images of a forward, not over each GPU's 2-8: segmentation batches
+        # per GPU are small, and BatchNorm on them is noisy. Not on the CPU: DDP refuses SyncBatchNorm there. Not
+        # with one process: on a GPU it is then plain BatchNorm, and ASPP's pooling BatchNorm keeps its case of one
+        # image.
         model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
     model_without_ddp = model
     if distributed:
@@ -402,18 +455,29 @@ def main(args):
         # find parameters without gradients; DeepLab has none, so it is off unless asked for.
         # gradient_as_bucket_view: the gradients are views of DDP's all-reduce buckets, not a second copy
         # (zeroed in place in train_one_epoch, so that they stay views).
-        model = DDP(model, device_ids=[local_rank] if use_cuda else None,
-                    output_device=local_rank if use_cuda else None,
+        model = DDP(model, device_ids=[args.local_rank] if use_cuda else None,
+                    output_device=args.local_rank if use_cuda else None,
                     find_unused_parameters=args.find_unused_parameters, gradient_as_bucket_view=True)
         model_without_ddp = model.module
     if args.compile:
         # The DDP model, as PyTorch's DDP docs say: torch.compile then splits its graph at DDP's buckets, so that
         # the all-reduce still overlaps with the backward.
         model = torch.compile(model)
+    return model, model_without_ddp
 
-    # Step 4: DistributedSampler gives each rank its own part of the training set, so the DataLoader
-    # must not shuffle (shuffle=False): the sampler shuffles, with the same seed on every rank.
-    train_sampler = DistributedSampler(run.train_set, num_replicas=world_size, rank=rank, shuffle=True,
+
+class Loaders(NamedTuple):
+    train: DataLoader
+    train_sampler: DistributedSampler
+    resumable: SkipFirst     # the sampler the train loader reads: train_sampler from a resumed epoch's next batch on
+    val: DataLoader
+
+
+def make_loaders(train_set, val_set, args, use_cuda):
+    """-> Loaders."""
+    # Step 4: DistributedSampler gives each rank its own part of the training set, so the DataLoader must not
+    # shuffle (shuffle=False): the sampler shuffles, with the same seed on every rank.
+    train_sampler = DistributedSampler(train_set, num_replicas=get_world_size(), rank=get_rank(), shuffle=True,
                                        seed=args.seed)
     resumable = SkipFirst(train_sampler)  # the tutorial passes train_sampler; a resumed epoch skips what it has seen
     # The sampler pads every rank's share to the same length, so every rank runs the same number of steps, which
@@ -422,95 +486,72 @@ def main(args):
     # page-locked batches, whose copy to the GPU (non_blocking) does not make this process wait: it goes on
     # queueing the step's work while the copy runs. persistent_workers: training keeps its workers from
     # epoch to epoch; evaluation's exist only while it runs.
-    workers = args.workers if args.workers is not None else default_workers()  # dataset.py
-    loader_args = dict(num_workers=workers, pin_memory=use_cuda, worker_init_fn=recovery.worker_init)
-    train_loader = DataLoader(run.train_set, batch_size=args.batch_size, shuffle=False, sampler=resumable,
-                              drop_last=True, persistent_workers=workers > 0, **loader_args)
-    val_shard = eval_shard(len(run.val_set), rank, world_size)
-    val_loader = DataLoader(Subset(run.val_set, val_shard), batch_size=1, **loader_args)
+    workers = args.workers if args.workers is not None else default_workers()
+    train_loader = DataLoader(train_set, batch_size=args.batch_size, shuffle=False, sampler=resumable,
+                              drop_last=True, num_workers=workers, pin_memory=use_cuda,
+                              persistent_workers=workers > 0)
+    val_shard = Subset(val_set, eval_shard(len(val_set), get_rank(), get_world_size()))
+    val_loader = DataLoader(val_shard, batch_size=1, num_workers=workers, pin_memory=use_cuda)
+    return Loaders(train_loader, train_sampler, resumable, val_loader)
 
+
+def train(args, model, model_without_ddp, model_to_evaluate, checkpoint, train_set, loaders, device):
+    """The epochs: train, evaluate, save (rank 0), from where the checkpoint (or --start-epoch) says."""
+    world_size = get_world_size()
     optimizer = make_optimizer(model_without_ddp, args)
     # float16 needs loss scaling against underflow; bfloat16 has float32's range and needs none.
     scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
-    position = checkpoints.resume_training(run.start, optimizer, scaler, args, world_size)
-    if args.evaluate:
-        evaluate_checkpoint(args, model_without_ddp, val_loader, run, device)
-    elif position.epoch >= args.epochs:  # a requeued job that had finished: not a failure, nothing to do
-        records.say_nothing_to_train(args, run.start.path, position.epoch)
-    else:
-        train(args, run, model, model_without_ddp, optimizer, scaler, train_loader, val_loader, train_sampler,
-              resumable, position, device)
-    if distributed:
-        recovery.stop_heartbeat()  # before the process group goes: it writes into the group's store
-        dist.destroy_process_group()  # without it NCCL warns of leaked resources at exit
-
-
-def train(args, run, model, model_without_ddp, optimizer, scaler, train_loader, val_loader, train_sampler,
-          resumable, position, device):
-    """The epochs: train, evaluate, record (rank 0), and stop together when something asks."""
+    start_epoch, first_step, best_miou, epoch_loss_sum = args.start_epoch, 0, float("-inf"), 0.0
+    if checkpoint:
+        optimizer.load_state_dict(checkpoint.pop("optimizer"))
+        if checkpoint["scaler"]:  # empty when saved without --amp fp16
+            scaler.load_state_dict(checkpoint["scaler"])
+        start_epoch, first_step = checkpoint["epoch"], checkpoint["step"]
+        best_miou, epoch_loss_sum = checkpoint["best_miou"], checkpoint["epoch_loss_sum"]
+    checkpoints.check_ranks_agree(start_epoch, first_step)  # harness: a stale copy on one node would hang the run
+    if start_epoch >= args.epochs:  # a requeued job that had finished: not a failure, nothing to do
+        log(f"nothing to train: {args.resume} has finished {start_epoch} epochs, as many as --epochs {args.epochs} "
+            "asks or more; raise --epochs to train longer, or evaluate it with -e")
+        return
     # Optimizer steps: the position, the schedule and --epochs count them. An epoch has as many as the training set
     # holds global batches (-b x processes x --accum-steps), the same on every layout of that batch; every rank's
     # share (DistributedSampler's, padded) holds at least that many. What makes no whole step is left out, as
     # drop_last leaves out a partial batch.
-    world_size = get_world_size()
-    steps_per_epoch = len(run.train_set) // (args.batch_size * world_size * args.accum_steps)
+    steps_per_epoch = len(train_set) // global_batch(args)
     checkpoint_path = os.path.join(args.output_dir, "checkpoint.pth")
     if is_main_process():
-        checkpoints.continue_run_at(args, run.start, position)  # metrics from here; a rewind keeps what it drops
-    recovery.install_signal_handlers()  # SIGTERM / Ctrl-C: finish the step, save, exit 0 (recovery.py)
-    writer = records.open_writer(args, position.epoch * steps_per_epoch + position.step + 1)
-    best_miou = position.best_miou
-    epoch_loss_sum = position.epoch_loss_sum
-    log(f"training {args.model} on {len(run.train_set)} images ({steps_per_epoch} steps/epoch), epochs "
-        f"{position.epoch}..{args.epochs - 1} (counted from 0), evaluating on {len(run.val_set)}")
-    for epoch in range(position.epoch, args.epochs):
+        os.makedirs(args.output_dir, exist_ok=True)
+    log(f"training {args.model} on {len(train_set)} images ({steps_per_epoch} steps/epoch), epochs "
+        f"{start_epoch}..{args.epochs - 1} (counted from 0)")
+    for epoch in range(start_epoch, args.epochs):
         # Step 4 (continued): the tutorial never calls set_epoch. The sampler seeds its shuffle with
         # seed + epoch; without this call every epoch visits the images in the same order.
-        train_sampler.set_epoch(epoch)
-        first_step = position.step if epoch == position.epoch else 0
-        resumable.skip = first_step * args.batch_size * args.accum_steps  # a resumed epoch: the batches not yet seen
-        run.train_set.epoch = epoch  # the augmentation's draw; persistent workers see it (shared memory)
-        epoch_start = time.time()
-        trained = train_one_epoch(model, optimizer, scaler, train_loader, device, epoch, first_step,
-                                  steps_per_epoch, args, run.autocast, run.memory_format, writer)
-        epoch_loss_sum += trained["loss_sum"]
+        loaders.train_sampler.set_epoch(epoch)
+        first_step = first_step if epoch == start_epoch else 0
+        loaders.resumable.skip = first_step * args.batch_size * args.accum_steps  # those a checkpoint had seen
+        train_set.epoch = epoch  # the augmentation's draw; persistent workers see it (shared memory)
+        stats = train_one_epoch(model, optimizer, scaler, loaders.train, device, epoch, first_step, steps_per_epoch,
+                                args)
+        epoch_loss_sum += stats.loss_sum
         sync_buffers(model_without_ddp)  # every rank evaluates, and rank 0 saves, rank 0's BatchNorm statistics
-        if trained["stopped"]:  # a signal: rank 0 saves where the ranks are, all exit 0; a NaN: nothing saved
-            step = first_step + trained["steps"]
-            recovery.stop_in_epoch(trained["stopped"], epoch, step, steps_per_epoch, checkpoint_path,
-                                   lambda: checkpoints.save(checkpoints.state(
-                                       model_without_ddp, optimizer, scaler, args, world_size, run.classes,
-                                       epoch=epoch, step=step, best_miou=best_miou, epoch_loss_sum=epoch_loss_sum),
-                                       checkpoint_path, keep_previous=True))
-            break
-        eval_start = time.time()
-        confusion, sample = evaluate(inference.wrap(model_without_ddp, run.eval_mode), val_loader, device,
-                                     len(run.classes["names"]), run.autocast,
-                                     args.save_predictions if epoch == args.epochs - 1 else None)
-        miou, iou = iou_from_confusion(confusion)
-        records.print_iou_table(miou, iou, run.classes["names"])
-        is_best = miou > best_miou  # NaN (no val pixel to measure) is never the best
-        best_miou = miou if is_best else best_miou
-        problem = None
+        stops.save_if_stopped(epoch, first_step + stats.steps, steps_per_epoch, lambda step: save_checkpoint(  # harness
+            checkpoint_state(model_without_ddp, optimizer, scaler, args, train_set.classes, epoch, step, best_miou,
+                             epoch_loss_sum), checkpoint_path))
+        evaluation = validate(model_to_evaluate, loaders.val, device, train_set.classes, args,
+                              args.save_predictions if epoch == args.epochs - 1 else None)
+        is_best = evaluation.miou > best_miou  # NaN (no val pixel to measure) is never the best
+        best_miou = evaluation.miou if is_best else best_miou
+        train_loss = epoch_loss_sum / (steps_per_epoch * world_size)
+        log(f"epoch {epoch}: train loss {train_loss:.4f}, {stats.images_per_s:.1f} img/s, mIoU "
+            f"{evaluation.miou:.4f} (best {best_miou:.4f})")
+        state = checkpoint_state(model_without_ddp, optimizer, scaler, args, train_set.classes, epoch + 1, 0,
+                                 best_miou, 0.0)
+        records.write_epoch(args, epoch, steps_per_epoch, stats, train_loss, evaluation, state, is_best)  # harness
         if is_main_process():
-            state = checkpoints.state(model_without_ddp, optimizer, scaler, args, world_size, run.classes,
-                                      epoch=epoch + 1, step=0, best_miou=best_miou, epoch_loss_sum=0.0)
-            problem = records.write_epoch(args, state, is_best, sample, {
-                "epoch": epoch, "iteration": (epoch + 1) * steps_per_epoch,
-                "train_loss": epoch_loss_sum / (steps_per_epoch * world_size), "lr": trained["lr"], "miou": miou,
-                "iou": records.iou_dict(iou, run.classes["names"]), "train_img_per_s": trained["images_per_s"],
-                "data_wait_fraction": trained["data_wait"], "epoch_time_s": time.time() - epoch_start,
-                "eval_time_s": time.time() - eval_start, "world_size": world_size,
-                "peak_memory_gib": trained["peak_memory_gib"]}, writer,
-                estimate=trained["steps"] / steps_per_epoch if epoch == position.epoch else None)
+            save_checkpoint(state, checkpoint_path)
         epoch_loss_sum = 0.0
-        # Every rank learns whether rank 0 could write (a full disk) and whether a signal came during the
-        # evaluation: all stop together, rank 0 saying why.
-        if recovery.stop_after_epoch(problem, device, checkpoint_path, last=epoch == args.epochs - 1):
-            break
-    else:
-        records.say_where_things_are(args, best_miou)
-    records.close_writer(writer)
+        stops.stop_after_epoch(last=epoch == args.epochs - 1)  # harness: a signal during the evaluation
+    records.say_where_things_are(args, best_miou)  # harness: the files and what each is
 
 
 if __name__ == "__main__":

@@ -28,6 +28,11 @@ MODEL_NAMES = (
 BACKBONES = ("resnet50", "resnet101", "mobilenet_v3_large")
 
 
+class WeightsError(ValueError):
+    """Backbone weights that cannot be used: not downloadable here, not found, unreadable, or another network's. Its
+    message names the file and what to give instead (main.py's harness says it in one line)."""
+
+
 def _conv_bn_relu(in_channels, out_channels, kernel_size):
     return nn.Sequential(
         nn.Conv2d(in_channels, out_channels, kernel_size, padding=kernel_size // 2, bias=False),
@@ -48,43 +53,43 @@ def _load_backbone_weights(net, backbone, pretrained):
         try:
             state = weights.get_state_dict(progress=False)
         except Exception as error:  # no network, proxy, ...
-            raise RuntimeError(
+            raise WeightsError(
                 f"could not download the ImageNet weights of {backbone} ({weights.url}): {error}. "
                 f"Download that file elsewhere and pass its path to --pretrained-backbone, or train from scratch with "
                 f"--pretrained-backbone none") from None
     else:
         if os.path.isdir(pretrained):
-            raise FileNotFoundError(f"--pretrained-backbone {pretrained} is a folder: give the weights file in it")
+            raise WeightsError(f"--pretrained-backbone {pretrained} is a folder: give the weights file in it")
         if not os.path.isfile(pretrained):
-            raise FileNotFoundError(f"--pretrained-backbone {pretrained}: no such file")
+            raise WeightsError(f"--pretrained-backbone {pretrained}: no such file")
         try:
             state = torch.load(pretrained, map_location="cpu", weights_only=True)
         except Exception as error:
-            raise RuntimeError(f"--pretrained-backbone {pretrained} cannot be read ({type(error).__name__}): "
+            raise WeightsError(f"--pretrained-backbone {pretrained} cannot be read ({type(error).__name__}): "
                                "an empty, truncated or non-PyTorch file; download it again") from None
         if isinstance(state, dict) and "model" in state and "classes" in state:  # this program's checkpoint
-            raise RuntimeError(f"--pretrained-backbone {pretrained} holds a whole DeepLab model, not {backbone}'s "
+            raise WeightsError(f"--pretrained-backbone {pretrained} holds a whole DeepLab model, not {backbone}'s "
                                f"classification weights: fine-tune from it with --weights {pretrained}")
         if isinstance(state, dict) and any(str(k).startswith(("backbone.", "module.backbone.")) for k in state):
-            raise RuntimeError(f"--pretrained-backbone {pretrained} holds a segmentation model's weights (backbone.* "
+            raise WeightsError(f"--pretrained-backbone {pretrained} holds a segmentation model's weights (backbone.* "
                                f"keys), not {backbone}'s classification weights: give those, or none; a DeepLab "
                                "of this program goes to --weights")
         state = state.get("state_dict", state) if isinstance(state, dict) else state
         if not isinstance(state, dict) or not state or not all(isinstance(v, torch.Tensor) for v in state.values()):
-            raise RuntimeError(f"--pretrained-backbone {pretrained} holds no state dict of weights: give the "
+            raise WeightsError(f"--pretrained-backbone {pretrained} holds no state dict of weights: give the "
                                f"torchvision {backbone} classification weights (.pth)")
     # The classifier of the ImageNet model (fc / classifier) has no place here; everything else must fit.
     state = {k: v for k, v in state.items() if not k.startswith(("fc.", "classifier."))}
     own = net.state_dict()
     other = [k for k, v in state.items() if k in own and hasattr(v, "shape") and v.shape != own[k].shape]
     if other:  # (load_state_dict would list every one, over many lines)
-        raise RuntimeError(f"--pretrained-backbone {pretrained} does not fit {backbone}: {len(other)} tensors of "
+        raise WeightsError(f"--pretrained-backbone {pretrained} does not fit {backbone}: {len(other)} tensors of "
                            f"another shape (e.g. {other[0]} {tuple(state[other[0]].shape)} vs "
                            f"{tuple(own[other[0]].shape)}): the weights of another network; give {backbone}'s")
     missing, unexpected = net.load_state_dict(state, strict=False)
     missing = [k for k in missing if not k.startswith(("fc.", "classifier."))]
     if missing or unexpected:
-        raise RuntimeError(f"--pretrained-backbone {pretrained} does not fit {backbone}: "
+        raise WeightsError(f"--pretrained-backbone {pretrained} does not fit {backbone}: "
                            f"{len(missing)} missing keys (e.g. {missing[:3]}), "
                            f"{len(unexpected)} unexpected (e.g. {unexpected[:3]})")
 

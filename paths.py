@@ -1,17 +1,16 @@
 """Where the programs write, checked in one place before any work: nothing a command reads is written over,
-moved or removed, and every output goes where it can be written. Plain os calls, low in the imports:
-dataset.py, synthetic.py, checkpoints.py, main.py and predict.py all use it.
+moved or removed, and every output goes where it can be written; one run holds an output folder at a time.
+Plain os calls; dataset.py's cache command, synthetic.py, checkpoints.py, records.py, the preflight and
+predict.py use it.
 
-    paths.fail("...")                                         # a mistake the user can fix: one line, no traceback
     paths.check_folder("--output-dir", out, reads=[("--data", data)])   # a folder, not on or in an input
     paths.make_folder("--output-dir", out)                    # made with its missing parents, and probed
     paths.check_file("--export", path, reads=[("--resume", ckpt)], replaceable=is_export)
     paths.move_aside(out, RUN_FILES, "replaced")              # --overwrite: the old run put aside, not deleted
+    paths.write_atomically(path, data)                        # a file whole, or the old one as it was
     paths.write_folder(path, write)                           # a generated data set: whole, or not at all
     paths.hold_output(args)                                   # one folder, one run: others are refused
     paths.release_output()                                    # at the end of the run (recovery.guard)
-
-The error types live here, the lowest module, so that every module can raise them; recovery.guard says them.
 """
 import fcntl
 import json
@@ -20,36 +19,9 @@ import shutil
 import socket
 import time
 
-
-class UserError(Exception):
-    """A mistake the user can fix, said in one line (`main.py: error: ...`) by recovery.guard. this_rank=False:
-    every rank finds it the same way (a flag, a folder, a checkpoint), and rank 0 says it; True: only this rank
-    meets it (its GPU, a write that failed), and this rank says it."""
-
-    def __init__(self, message, this_rank=False):
-        super().__init__(message)
-        self.this_rank = this_rank
-
-
-def fail(message, this_rank=False):
-    raise UserError(str(message), this_rank)
-
-
-class BadInput(ValueError):
-    """A file of the data set that cannot be used (damaged, mislabelled), found while reading it: said in one line
-    by the rank that read it, whichever that is; also when a DataLoader worker raised it."""
-
-
-def first_line(error):
-    """An error's own first line, whole (torch's messages run over several lines; a cut one says less)."""
-    return (str(error).strip().splitlines() or [type(error).__name__])[0]
-
-
-def named(flag):
-    """A flag as the user set it, for advice: under run.sh (it sets DEEPLAB_RUN_SH=1) the user typed the variables
-    OUTPUT_DIR and DATA, not the flags run.sh made of them."""
-    variables = {"--output-dir": "OUTPUT_DIR", "--data": "DATA"}
-    return variables.get(flag, flag) if os.environ.get("DEEPLAB_RUN_SH") == "1" else flag
+import job
+from errors import UserError, fail
+from job import named
 
 
 def inside(path, folder):
@@ -143,6 +115,30 @@ def move_aside(folder, names, label):
     return target
 
 
+def free_mib(folder):
+    """Free space where folder is (or its nearest existing parent), in MiB, for a line about a full disk."""
+    folder = os.path.abspath(folder)
+    while not os.path.exists(folder):
+        folder = os.path.dirname(folder)
+    return shutil.disk_usage(folder).free / 2**20
+
+
+def write_atomically(path, data):
+    """Write a temporary file, fsync, rename over path: a crash mid-write leaves the old file whole, and a failed
+    write (a full disk) leaves no half file behind. data: bytes, or a function that writes into a file."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        with open(tmp, "wb") as f:
+            data(f) if callable(data) else f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
 def write_folder(path, write):
     """Make the folder `path` by write(temporary): into a temporary folder beside it, renamed to path when write
     returns. An interrupted run leaves no half-written data set under path. A folder that exists and is not
@@ -164,20 +160,6 @@ def write_folder(path, write):
     except BaseException:
         shutil.rmtree(temporary, ignore_errors=True)
         raise
-
-
-_typed = {}  # set by check_no_run_replaced: what the command has that carrying on must not repeat
-
-
-def resume_advice():
-    """How to carry on a stopped run, as the user started it: without --overwrite (it would put the run aside)
-    and without a --resume PATH (it would start from that file again, not from where the run stopped)."""
-    resume, overwrite = _typed.get("resume"), _typed.get("overwrite")
-    if os.environ.get("DEEPLAB_RUN_SH") == "1":
-        drop = " and ".join(flag for flag in (resume, overwrite) if flag)
-        return "run the same ./run.sh line again" + (f" without {drop}" if drop else "")
-    return ("run the same command with --resume auto" + (f" in place of {resume}" if resume else "")
-            + (" and without --overwrite" if overwrite else ""))
 
 
 # --- main.py's folders ----------------------------------------------------------------------------------------
@@ -202,12 +184,9 @@ def check_run_folders(args):
 
 def check_no_run_replaced(args, start):
     """No other run in --output-dir is replaced without a word, and no file the run reads (--weights) is one that
-    --overwrite moves aside. start: checkpoints.decide_start's (whether this run continues one there)."""
-    _typed.clear()
-    _typed.update(overwrite="--overwrite" if args.overwrite else None,
-                  resume=f"--resume {args.resume}" if args.resume not in ("", "auto") else None)
+    --overwrite moves aside. start: checkpoints.Start (whether this run continues one there)."""
     found = [name for name in RUN_FILES[:5] if os.path.exists(os.path.join(args.output_dir, name))]
-    if (replacing(args, start) and args.weights and start.checkpoint is None
+    if (replacing(args, start) and args.weights and not start.path
             and any(inside(args.weights, os.path.join(args.output_dir, name)) for name in RUN_FILES)):
         fail(f"--weights {args.weights} belongs to the run that --overwrite moves aside from {named('--output-dir')} "
              f"{args.output_dir}: fine-tune into another {named('--output-dir')} instead (the run stays as it is)")
@@ -277,8 +256,7 @@ def _lock(fd, path, args):
     """flock, not waiting; except for a torchrun restart whose own job's earlier attempt still holds it (its machine
     lost: a network filesystem frees the lock when the machine's lease runs out), which waits for it up to
     --dist-timeout, saying so."""
-    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
-    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0
+    run_id, restarted = job.env().run_id, job.env().restarts > 0
     deadline = time.time() + 60 * getattr(args, "dist_timeout", 5.0)
     said = False
     while True:
@@ -304,7 +282,7 @@ def hold_output(args):
     (a kill -9; on a network filesystem, a lost node after the server's lease), so a dead holder never blocks the
     next run, which says that it takes over. --check-only only looks (run.sh's preflight refuses before torchrun
     starts). A folder that does not exist yet is held when it is made (make_run_outputs)."""
-    if int(os.environ.get("RANK", 0)) != 0 or _hold["fd"] is not None:
+    if job.env().rank != 0 or _hold["fd"] is not None:
         return
     path = os.path.join(args.output_dir, HOLD)
     if args.check_only:
@@ -347,7 +325,7 @@ def hold_output(args):
             pass
         os.close(fd)
     before = _holder(path)
-    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    run_id = job.env().run_id
     if before and not (run_id and before.get("run_id") == run_id):  # (a torchrun restart of this job: its own)
         print(f"note: {args.output_dir} was held by host {before.get('host')}, process {before.get('pid')} (since "
               f"{before.get('since')}), which ended without letting go (killed, or its machine lost): taken over",

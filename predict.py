@@ -40,13 +40,14 @@ from torch.utils.data import DataLoader, Dataset
 import checkpoints
 import checks
 import inference
+import job
 import paths
 import records
 import recovery
-from checks import at_least, fraction
+import stops
 from dataset import CLASS_NAMES, TRAINID_TO_ID, default_workers, normalize
+from errors import fail, first_line
 from images import read_image
-from paths import fail
 
 EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".tif", ".tiff")
 KINDS = ("color", "overlay", "label")
@@ -63,14 +64,15 @@ def get_args_parser():
     parser.add_argument("--format", choices=("trainid", "labelid"), default="trainid",
                         help="label maps of the model's class indices (Cityscapes': trainIds) or Cityscapes' labelIds "
                         "(default: %(default)s)")
-    parser.add_argument("--alpha", type=fraction(high_open=False), default=0.5,
+    parser.add_argument("--alpha", type=float, default=0.5,
                         help="the colours' weight in the overlay (default: %(default)s)")
-    parser.add_argument("-b", "--batch-size", type=at_least(1), default=4,
+    parser.add_argument("-b", "--batch-size", type=int, default=4,
                         help="images of one size per forward (default: %(default)s)")
-    parser.add_argument("-j", "--workers", type=at_least(0), default=None, help="decoding workers per process; 0: "
+    parser.add_argument("-j", "--workers", type=int, default=None, help="decoding workers per process; 0: "
                         "in the process itself (default: its share of the cores, less one)")
-    checks.add_amp_argument(parser)  # --amp [bf16|fp16], as main.py has it (checks.py)
-    parser.add_argument("--dist-timeout", type=checks.positive(7 * 24 * 60), default=5.0, metavar="MINUTES",
+    parser.add_argument("--amp", nargs="?", const="bf16", choices=("bf16", "fp16"), help="mixed precision: bf16 (the "
+                        "default when given alone) or fp16 (CUDA only)")
+    parser.add_argument("--dist-timeout", type=float, default=5.0, metavar="MINUTES",
                         help="under torchrun: a rank that waits longer than this for the others ends (default: "
                         "%(default)s)")
     parser.add_argument("--export", default=None, metavar="FILE.onnx",
@@ -130,7 +132,7 @@ class ImageFiles(Dataset):
             # uint8 (3, H, W), decoded as training decodes its files (images.py): as a viewer shows the file
             return index, torch.from_numpy(read_image(self.paths[index]).copy()).permute(2, 0, 1), ""
         except Exception as error:  # the main loop names the file and goes on with the others
-            return index, None, getattr(error, "cause", None) or paths.first_line(error)
+            return index, None, getattr(error, "cause", None) or first_line(error)
 
 
 def output_paths(output_dir, name, what, label_folder):
@@ -200,10 +202,12 @@ def predict_all(args, model, classes, shard, mode, device, autocast, label_folde
     """Predict this rank's images and write their files. -> (images written, images that could not be read)."""
     workers = args.workers if args.workers is not None else default_workers()
     loader = DataLoader(ImageFiles([path for path, _ in shard]), batch_size=None, num_workers=workers,
-                        pin_memory=device.type == "cuda", worker_init_fn=recovery.worker_init)
+                        pin_memory=device.type == "cuda")
+    stops.shield_workers(loader)  # a stop to the whole job is this process's to act on, not the workers'
+
     palette = records.palette(classes["colors"])
     writer = concurrent.futures.ThreadPoolExecutor(max_workers=2)
-    writes, done, failed, world_size = [], 0, 0, recovery.get_world_size()
+    writes, done, failed, world_size = [], 0, 0, job.get_world_size()
     start = last_report = time.time()
 
     def written(write):
@@ -233,7 +237,7 @@ def predict_all(args, model, classes, shard, mode, device, autocast, label_folde
             rate = done / (now - start)
             eta = (len(shard) - done - failed) / max(rate, 1e-9)
             ranks = f" on rank 0 (x{world_size} processes)" if world_size > 1 else ""
-            recovery.log(f"{done}/{len(shard)} images{ranks}, {rate:.2f} images/s, eta {timedelta(seconds=round(eta))}")
+            job.log(f"{done}/{len(shard)} images{ranks}, {rate:.2f} images/s, eta {timedelta(seconds=round(eta))}")
             last_report = now
 
     # Images of one size share a forward: each waits in its size's bucket until the bucket is full.
@@ -257,13 +261,15 @@ def predict_all(args, model, classes, shard, mode, device, autocast, label_folde
 
 @recovery.guarded("predict.py")  # a mistake ends in one line, said once (recovery.py)
 def main(args):
+    checks.check_numbers(args, checks.PREDICT)
     mode = inference.read_mode(args)
     if args.export is not None:
         if args.inputs or mode:
             fail("--export writes the plain model and exits: give it no INPUT and no --eval-* flag")
         missing = [name for name in ("onnx", "onnxscript") if importlib.util.find_spec(name) is None]
         if missing:  # found before the model is loaded, not after
-            fail(f"--export needs {' and '.join(missing)}, which training does not: pip install -r requirements-test.txt")
+            fail(f"--export needs {' and '.join(missing)}, which training does not: pip install -r "
+                 "requirements-test.txt")
         paths.check_file("--export", args.export, reads=[("--resume", args.resume)], replaceable=is_export)
         replacing = os.path.exists(args.export)
         model, _ = checkpoints.load_for_inference(args.resume)
@@ -283,32 +289,33 @@ def main(args):
     replaced = check_outputs(args, images, label_folder)
     paths.make_folder("--output-dir", args.output_dir)
     if replaced:
-        recovery.log(f"note: {args.output_dir} holds an earlier prediction: {replaced} of its files are replaced")
+        job.log(f"note: {args.output_dir} holds an earlier prediction: {replaced} of its files are replaced")
 
     # Under torchrun: each rank predicts every world_size-th image of the sorted list, so each image
     # exactly once. The only collective is the count at the end: gloo, on CPU tensors, GPUs or not.
-    distributed = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    distributed = job.env().distributed
     if distributed:
-        with recovery.waiting_for_peers(args.dist_timeout):
-            dist.init_process_group("gloo", timeout=timedelta(minutes=args.dist_timeout))
-    rank, world_size = recovery.get_rank(), recovery.get_world_size()
+        recovery.watch_peers(args.dist_timeout)  # says what it waits for, if it waits
+        dist.init_process_group("gloo", timeout=timedelta(minutes=args.dist_timeout))
+    rank, world_size = job.get_rank(), job.get_world_size()
     device = torch.device("cpu")
     if torch.cuda.is_available():
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        device = torch.device("cuda", job.env().local_rank)
         torch.cuda.set_device(device)
         torch.backends.cudnn.benchmark = True
     model.to(device)
-    recovery.log(f"predicting {len(images)} images with {os.path.basename(args.resume)} "
+    job.log(f"predicting {len(images)} images with {os.path.basename(args.resume)} "
                  f"({inference.describe(mode)}), {world_size} process(es), device {device.type}")
     start = time.time()
     counts = torch.tensor(predict_all(args, model, classes, images[rank::world_size], mode, device, autocast,
                                       label_folder))
     if distributed:
         dist.all_reduce(counts)  # the sum over ranks: each image counted once
+        recovery.stop_heartbeat()
         dist.destroy_process_group()
     written, unreadable = counts.tolist()
     elapsed = time.time() - start
-    recovery.log(f"wrote {written} predictions to {args.output_dir} in {timedelta(seconds=round(elapsed))} "
+    job.log(f"wrote {written} predictions to {args.output_dir} in {timedelta(seconds=round(elapsed))} "
                  f"({written / elapsed:.2f} images/s)")
     if unreadable:
         fail(f"{unreadable} of {written + unreadable} images could not be read (named above)"

@@ -1,62 +1,69 @@
-"""What a run leaves behind, written by rank 0 alone (several ranks writing one file corrupt it): the per-class
-IoU table, metrics.jsonl, the pictures, the checkpoints after each epoch, eval.json, and with --tensorboard the
-curves. main.py decides what to record; this module writes it, and turns a failed write into one line.
+"""What a run leaves beside its checkpoint, written by rank 0 alone (several ranks writing one file corrupt it):
+metrics.jsonl, best.pth, the pictures, eval.json, with --tensorboard the curves, and at the end the list of where
+things are. A write that fails (a full disk) ends the run in one line.
 
-    records.print_iou_table(miou, iou, names)
-    writer = records.open_writer(args, first_iteration)        # TensorBoard's, or None
-    writer = records.draw(writer, iteration, {"train/loss": 0.3})
-    problem = records.write_epoch(args, state, is_best, sample, record, writer)   # None, or why it failed
-    records.write_eval(args, result, sample, colors)           # -e
-    records.say_where_things_are(args, best_miou)              # the end of training: the files, and what each is
-    records.say_nothing_to_train(args, checkpoint_path)        # a run that had finished
+    records.open_writer(args, first_iteration)        # the preflight: TensorBoard's writer, with --tensorboard
+    records.draw(iteration, loss, lr, images_per_s)   # main.py's progress lines, as curves
+    records.write_epoch(args, epoch, steps_per_epoch, stats, train_loss, evaluation, state, is_best)
+    records.write_eval(args, evaluation, classes, num_images)   # -e
+    records.say_where_things_are(args, best_miou)    # the end of training: the files, and what each is
 """
 import contextlib
 import json
 import math
 import os
-import resource
 from datetime import timedelta
 
 import torch
 from PIL import Image
 
-import checkpoints
+import inference
+import job
 import paths
 from dataset import CLASS_COLORS
-from paths import fail
-from recovery import is_main_process, log
+from errors import fail
+from job import is_main_process, log, named
+
+_run = {"writer": None, "estimated": False}  # TensorBoard's writer (rank 0, --tensorboard); the estimate said
 
 
-def draw(writer, iteration, scalars):
-    """TensorBoard's points (writer: rank 0's with --tensorboard, else None). -> the writer, or None once it
-    cannot write: a full disk, which this epoch's checkpoint then stops every rank on, with one line."""
-    if writer is None:
-        return None
+def open_writer(args, first_iteration):
+    """Rank 0's TensorBoard writer with --tensorboard. purge_step: TensorBoard drops what a stopped run drew from
+    that iteration on, so that a resumed run draws no stretch twice."""
+    _run.update(writer=None, estimated=False)
+    if not (args.tensorboard and is_main_process()):
+        return
+    from torch.utils.tensorboard import SummaryWriter  # optional: the preflight found it installed
     try:
-        for name, value in scalars.items():
+        _run["writer"] = SummaryWriter(os.path.join(args.output_dir, "tensorboard"), purge_step=first_iteration)
+    except OSError as error:
+        fail(f"cannot write TensorBoard's files in {args.output_dir} ({error})", this_rank=True)
+
+
+def draw(iteration, loss, lr, images_per_s):
+    """The training curves' points, at the iteration (continued on resume). A write that fails (a full disk) says so
+    once and draws no more: the epoch's checkpoint then stops the run with one line."""
+    writer = _run["writer"]
+    if writer is None:
+        return
+    try:
+        for name, value in (("train/loss", loss), ("train/lr", lr), ("train/images_per_s", images_per_s)):
             writer.add_scalar(name, value, iteration)
     except OSError as error:
-        log(f"warning: TensorBoard cannot write ({error}): no curves for the rest of this epoch")
-        return None
-    return writer
+        log(f"warning: TensorBoard cannot write ({error}): no curves for the rest of this run")
+        _run["writer"] = None
+
+
+def close_writer():
+    writer, _run["writer"] = _run["writer"], None
+    if writer is not None:
+        with contextlib.suppress(OSError):  # a full disk now: said already
+            writer.close()
 
 
 def iou_dict(iou, names):
     """{class name: IoU}, None for classes absent from the val set (JSON has no NaN)."""
     return {name: (None if math.isnan(value) else value) for name, value in zip(names, iou.tolist())}
-
-
-def print_iou_table(miou, iou, names):
-    lines = [f"  {name:<14} {value * 100:6.2f}" if not math.isnan(value) else f"  {name:<14}    n/a"
-             for name, value in zip(names, iou.tolist())]
-    log("per-class IoU (%):\n" + "\n".join(lines) + f"\n  {'mIoU':<14} {miou * 100:6.2f}")
-
-
-def peak_memory_gib(device):
-    """This process's peak memory: allocated on its GPU, or resident on the CPU."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**30
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # resident set, KiB on Linux
 
 
 def palette(colors):
@@ -79,79 +86,77 @@ def save_picture(path, sample, colors):
     return picture
 
 
-def open_writer(args, first_iteration):
-    """Rank 0's TensorBoard writer with --tensorboard, else None. purge_step: TensorBoard drops what a stopped
-    run drew from that iteration on, so that a resumed run draws no stretch twice."""
-    if not (args.tensorboard and is_main_process()):
-        return None
-    from torch.utils.tensorboard import SummaryWriter  # optional: check_args found it installed
+def write_epoch(args, epoch, steps_per_epoch, stats, train_loss, evaluation, state, is_best):
+    """After an epoch's evaluation, before main.py saves checkpoint.pth (rank 0 alone): best.pth when the mIoU is the
+    best yet, the picture, a line of metrics.jsonl, TensorBoard's points, and what the user should know. A run
+    stopped between these writes resumes before this epoch, and writes them all again (continue_run_at drops the
+    line). stats: main.EpochStats; evaluation: main.Evaluation; state: the checkpoint about to be saved."""
+    if not is_main_process():
+        return
+    iteration = (epoch + 1) * steps_per_epoch
+    record = {"epoch": epoch, "iteration": iteration, "train_loss": train_loss, "lr": stats.lr,
+              "miou": evaluation.miou, "iou": iou_dict(evaluation.iou, state["classes"]["names"]),
+              "train_img_per_s": stats.images_per_s, "data_wait_fraction": stats.data_wait,
+              "epoch_time_s": stats.seconds + evaluation.seconds, "eval_time_s": evaluation.seconds,
+              "world_size": job.get_world_size(), "peak_memory_gib": stats.peak_memory_gib}
     try:
-        return SummaryWriter(os.path.join(args.output_dir, "tensorboard"), purge_step=first_iteration)
-    except OSError as error:
-        fail(f"cannot write TensorBoard's files in {args.output_dir} ({error})", this_rank=True)
-
-
-def write_epoch(args, state, is_best, sample, record, writer=None, estimate=None):
-    """After an epoch (rank 0 alone: several ranks writing one file corrupt it): checkpoint.pth (the one it
-    replaces kept as checkpoint.prev.pth), best.pth when the mIoU is the best yet, the picture, a line of
-    metrics.jsonl, TensorBoard's points (writer), and what the user should know. -> None, or why a file could
-    not be written (a full disk), which every rank then stops on. estimate: after the run's first epoch, the
-    fraction of it this run trained (less than 1 when it resumed part-way), for the time the others will take."""
-    # checkpoint.pth last: a run stopped between these writes resumes before this epoch, and redoes them all.
-    checkpoint_path = os.path.join(args.output_dir, "checkpoint.pth")
-    try:
-        picture = save_picture(os.path.join(args.output_dir, "vis", f"epoch_{record['epoch']:03d}.png"), sample,
+        if is_best:
+            paths.write_atomically(os.path.join(args.output_dir, "best.pth"), lambda f: torch.save(state, f))
+        picture = save_picture(os.path.join(args.output_dir, "vis", f"epoch_{epoch:03d}.png"), evaluation.sample,
                                state["classes"]["colors"])
         with open(os.path.join(args.output_dir, "metrics.jsonl"), "a") as f:
             f.write(json.dumps(record) + "\n")
-        if writer is not None:  # at the iteration the epoch ends on, the x-axis of the step curves
-            for name, value in [("val/mIoU", record["miou"]), ("train/epoch_loss", record["train_loss"]),
-                                *((f"val_IoU/{name}", value) for name, value in record["iou"].items())]:
-                if value is not None and not math.isnan(value):  # a class absent from val has no IoU
-                    writer.add_scalar(name, value, record["iteration"])
-            writer.add_image("val/image_truth_prediction", picture.numpy(), record["iteration"], dataformats="HWC")
-            writer.flush()
-        state = checkpoints.seal(state)  # its digest, computed once for both files
-        if is_best:
-            checkpoints.save(state, os.path.join(args.output_dir, "best.pth"))
-        checkpoints.save(state, checkpoint_path, keep_previous=True)
-    except (OSError, paths.UserError) as error:
-        return str(error) if isinstance(error, paths.UserError) else f"cannot write in {args.output_dir} ({error})"
-    miou = "undefined (no val pixel of any class)" if math.isnan(record["miou"]) else f"{record['miou']:.4f}"
-    log(f"epoch {record['epoch']}: train loss {record['train_loss']:.4f}, {record['train_img_per_s']:.1f} img/s, "
-        f"mIoU {miou} (best {best_text(state['best_miou'])}); saved {checkpoint_path}")
-    if record["data_wait_fraction"] > 0.05:
-        log(f"note: the training loop waited {record['data_wait_fraction']:.0%} of its time for data: raise -j if "
-            "the machine has the cores" + ("" if args.cache_dir else ", or decode once with --cache-dir"))
-    left = args.epochs - record["epoch"] - 1
-    if estimate and left:  # after the first epoch, so that nobody wonders whether it hangs
-        training = (record["epoch_time_s"] - record["eval_time_s"]) / estimate  # the whole epoch's training
-        per_epoch = training + record["eval_time_s"]
-        log(f"the other {left} epoch(s) will take about {timedelta(seconds=round(per_epoch * left))}")
+        if _run["writer"] is not None:
+            _draw_epoch(record, picture)
+    except (OSError, RuntimeError) as error:  # torch.save says a failed write as a RuntimeError
+        fail(f"cannot write in {args.output_dir} ({getattr(error, 'strerror', None) or error}; "
+             f"{paths.free_mib(args.output_dir):.0f} MiB free there): free space, then to resume, "
+             f"{job.resume_advice()}", this_rank=True)
+    if stats.data_wait > 0.05:
+        log(f"note: the training loop waited {stats.data_wait:.0%} of its time for data: raise -j if the machine has "
+            "the cores" + ("" if args.cache_dir else ", or decode once with --cache-dir"))
+    left = args.epochs - epoch - 1
+    if not _run["estimated"] and left:  # after the run's first epoch, so that nobody wonders whether it hangs
+        _run["estimated"] = True
+        training = stats.seconds * steps_per_epoch / max(stats.steps, 1)  # a whole epoch's, also when it resumed
+        estimate = (training + evaluation.seconds) * left
+        log(f"the other {left} epoch(s) will take about {timedelta(seconds=round(estimate))}")
 
 
-def best_text(miou):
-    """The best mIoU so far, as a person reads it: none before the first evaluation."""
-    return f"{miou:.4f}" if math.isfinite(miou) else "none yet"
+def _draw_epoch(record, picture):
+    """The epoch's points, at the iteration it ends on (the step curves' x-axis), and its picture."""
+    writer, iteration = _run["writer"], record["iteration"]
+    for name, value in [("val/mIoU", record["miou"]), ("train/epoch_loss", record["train_loss"]),
+                        *((f"val_IoU/{name}", value) for name, value in record["iou"].items())]:
+        if value is not None and not math.isnan(value):  # a class absent from val has no IoU
+            writer.add_scalar(name, value, iteration)
+    writer.add_image("val/image_truth_prediction", picture.numpy(), iteration, dataformats="HWC")
+    writer.flush()
 
 
-def write_eval(args, result, sample, colors):
-    """-e: eval.json and the picture of the first val image. An earlier eval.json is replaced with a word that
-    says what it held. A write that fails (a full disk) ends in one line."""
+def write_eval(args, evaluation, classes, num_images):
+    """-e (rank 0 alone): eval.json and the picture of the first val image. An earlier eval.json is replaced with a
+    word that says what it held. A write that fails (a full disk) ends in one line."""
+    if not is_main_process():
+        return
     path = os.path.join(args.output_dir, "eval.json")
     earlier = ""
     try:
         with open(path) as f:
             old = json.load(f)
-        earlier = f"; it replaces the earlier one (mIoU {old['miou']:.4f} of {old.get('checkpoint')}, {old.get('mode')})"
+        earlier = (f"; it replaces the earlier one (mIoU {old['miou']:.4f} of {old.get('checkpoint')}, "
+                   f"{old.get('mode')})")
     except (OSError, ValueError, KeyError, TypeError):
         pass  # none, or not one of ours: nothing to say of it
+    result = {"miou": evaluation.miou, "iou": iou_dict(evaluation.iou, classes["names"]), "num_images": num_images,
+              "checkpoint": args.resume, "eval_time_s": evaluation.seconds,
+              "mode": inference.describe(inference.read_mode(args)), "images_per_s": num_images / evaluation.seconds}
     try:
-        checkpoints.write_atomically(path, (json.dumps(result, indent=1) + "\n").encode())
-        save_picture(os.path.join(args.output_dir, "vis", "eval.png"), sample, colors)
+        paths.write_atomically(path, (json.dumps(result, indent=1) + "\n").encode())
+        save_picture(os.path.join(args.output_dir, "vis", "eval.png"), evaluation.sample, classes["colors"])
     except OSError as error:
         fail(f"cannot write in {args.output_dir} ({error.strerror or error}): free space there, or give -e another "
-             f"{paths.named('--output-dir')}", this_rank=True)
+             f"{named('--output-dir')}", this_rank=True)
     log(f"wrote {path}" + (f" and predictions to {args.save_predictions}" if args.save_predictions else "") + earlier)
 
 
@@ -171,19 +176,5 @@ def say_where_things_are(args, best_miou):
         found.append((args.save_predictions.rstrip("/") + "/", "the last epoch's val predictions"))
     width = max((len(path) for path, _ in found), default=0)
     best = f"{best_miou:.4f}" if math.isfinite(best_miou) else "undefined (no val pixel of any class)"
-    log(f"done: best mIoU {best}. Where things are:\n" + "\n".join(f"  {path:<{width}}  {what}" for path, what in found))
-
-
-def say_nothing_to_train(args, checkpoint_path, done):
-    """A run that had finished (done: its epochs), started again (a requeued job, run.sh's second call)."""
-    finished = (f"has finished all {done} epochs of --epochs {args.epochs}" if done == args.epochs else
-                f"has finished {done} epochs, as many as --epochs {args.epochs} asks or more")
-    log(f"nothing to train: {checkpoint_path} {finished}; raise --epochs to train longer, or evaluate it with -e"
-        + ("; --tensorboard draws the curves of a run as it trains: give it to a new run, in another "
-           f"{paths.named('--output-dir')}" if args.tensorboard else ""))
-
-
-def close_writer(writer):
-    if writer is not None:
-        with contextlib.suppress(OSError):  # a full disk now: said already, by the epoch's failed save
-            writer.close()
+    lines = [f"  {path:<{width}}  {what}" for path, what in found]
+    log(f"done: best mIoU {best}. Where things are:\n" + "\n".join(lines))

@@ -1,28 +1,22 @@
-"""Surviving faults, out of main.py's way: who speaks, the one-line error channel, signals, a lost peer, and the
-ranks' agreement to stop.
+"""What ends a run, out of main.py's way: every way it can end becomes exit 0, or one line and exit 1; a lost peer
+is named; a wait says what it waits for.
 
-    @recovery.guarded("main.py", folder="output_dir")   # a mistake, or out of memory -> one line; a lost peer ->
-    def main(args): ...                                  # which rank; exit 1
-    recovery.install_signal_handlers()        # SIGTERM / Ctrl-C: finish the step, save, exit 0
-    with recovery.waiting_for_peers(minutes):    # init_process_group: says what it waits for, if it waits
-    recovery.start_heartbeat()                # lets a rank name the peer it lost
-    vote = recovery.StopVote(device)          # each step: a signal or a NaN on any rank stops all, together
-    recovery.stop_in_epoch(...), recovery.stop_after_epoch(...)   # save and stop, or fail, every rank alike
+    @recovery.guarded("main.py")             # around main(args): mistakes, out of memory, a lost peer -> one line
+    def main(args): ...
+    recovery.watch_peers(minutes)             # before init_process_group: says what it waits for; then heartbeats
+    recovery.stop_heartbeat()                 # before destroy_process_group
 
-A mistake the user can fix (paths.UserError, paths.BadInput) ends with `main.py: error: ...` (or
-`predict.py: error: ...`) on one line, said by the rank that met it, once: under torchrun a restarted worker
+A mistake the user can fix (errors.UserError, images.BadInput, models.WeightsError) ends with `main.py: error: ...`
+(or `predict.py: error: ...`) on one line, said by the rank that met it, once: under torchrun a restarted worker
 does not repeat it (a restart is for a lost process or peer, not for a bad file). Only global rank 0 logs
 progress and writes files.
 """
-import atexit
 import functools
 import json
-import multiprocessing.util  # before atexit.register below: see _end_workers_at_exit
 import os
-import signal
 import sys
-import threading
 import tempfile
+import threading
 import time
 import traceback
 from contextlib import contextmanager
@@ -32,38 +26,17 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 
+import job
 import paths
-from paths import BadInput, UserError, fail
+import records
+import stops
+from errors import BadInput, Finished, UserError, fail, first_line
+from job import get_rank, get_world_size, is_main_process, log
+from models import WeightsError
 
-# This module's state, in one place: set by main.py and the signal handler, read by the heartbeat.
-_state = SimpleNamespace(quiet=False, signal=None, signal_time=0.0, step=0, output_dir=None, args=None,
-                         started=time.time(), heartbeat=None, program="main.py", handlers=None)
-
-
-# --- who speaks -------------------------------------------------------------------------------------------
-def get_rank():
-    """The global rank; before the process group exists, the launcher's RANK (0 without a launcher)."""
-    return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))
-
-
-def get_world_size():
-    """The number of processes; before the process group exists, the launcher's WORLD_SIZE (1 without one)."""
-    return dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
-
-
-def is_main_process():
-    """Global rank 0, not local rank 0: with several nodes that would be one per node."""
-    return get_rank() == 0
-
-
-def set_quiet(quiet):
-    """--check-only reports mistakes only."""
-    _state.quiet = quiet
-
-
-def log(*message):
-    if is_main_process() and not _state.quiet:
-        print(*message, flush=True)
+# This module's state, in one place: set as a run starts, read when it ends and by the heartbeat's thread.
+_state = SimpleNamespace(program="main.py", args=None, output_dir=None, started=time.time(), watcher=None,
+                         waiting_since=None)
 
 
 def _one_line(error):
@@ -75,94 +48,117 @@ def _one_line(error):
 
 # --- the run, and how it ends ---------------------------------------------------------------------------
 @contextmanager
-def guard(program, output_dir=None, args=None):
+def guard(program, args=None):
     """Around a program's run: every way it can end becomes exit 0, or one line and exit 1.
 
-    - UserError (fail()): rank 0 prints it when every rank found it; the rank that met it when only it did.
-    - BadInput raised while training (a damaged file whose header was fine): the rank that read it prints
-      it, whichever that is, and records it so that the peers waiting for this rank stay quiet and a
-      torchrun restart does not repeat it.
-    - torch.OutOfMemoryError: the rank that ran out says where (a training step, the evaluation, a prediction),
-      with what (the batch, the crop, the precision), the device's memory, and what to change. It is not
-      retried: the same step would run out again.
+    - UserError (errors.fail), and a WeightsError (a backbone file): rank 0 prints it when every rank found it; the
+      rank that met it when only it did.
+    - BadInput (a file of the data set that cannot be used): before the process group exists every rank reads the
+      same files, and rank 0 says it; after, the rank that read it says it, whichever that is, and records it so
+      that the peers waiting for this rank stay quiet and a torchrun restart does not repeat it.
+    - Out of memory (torch.OutOfMemoryError on a GPU, the CPU allocator's RuntimeError): the rank that ran out says
+      where (a training step, the evaluation, a prediction), with what (the batch, the crop, the precision), the
+      device's memory, and what to change. It is not retried: the same step would run out again.
     - A failed or timed-out collective: each waiting rank names the rank at fault from the heartbeats.
-    Anything else is a bug, not a mistake: its traceback is kept. output_dir: where a mistake is recorded for
-    the peers and restarts, and where the last checkpoint is (main.py's), or None (predict.py). args: the
-    program's flags, for the out-of-memory line.
-    """
+    - errors.Finished (--check-only done, a stop saved): exit 0.
+    Anything else is a bug, not a mistake: its traceback is kept. main.py's signals are stops.py's while it runs.
+    args: the program's flags (where a mistake is recorded for the peers and restarts, the out-of-memory line)."""
     # A run starts with nothing said and no signal seen (a second run in one process too: the tests').
-    _state.program, _state.output_dir, _state.quiet, _state.signal = program, output_dir, False, None
-    _state.args = args
-    _state.started = time.time()
-    _exit_if_stopped_before()
-    if stop_signal() is not None:  # run.sh passed a stop on while this worker started (and torchrun started it again)
-        log(f"{program}: stopped before it began its work (a stop was asked for while it started): nothing changed. "
-            f"To go on, {paths.resume_advice()}")
-        sys.exit(0)
+    _state.program, _state.args, _state.started = program, args, time.time()
+    _state.output_dir = getattr(args, "output_dir", None) if program == "main.py" else None
     try:
+        job.read_environment(program)
+        _exit_if_stopped_before()
+        # A training run's signals finish the step and save; -e's, the preflight's and predict.py's end it at once.
+        stops.install(training=program == "main.py" and not (args.evaluate or args.check_only))
+        if stops.stop_signal() is not None:  # run.sh passed a stop on while this worker started (torchrun restarted it)
+            log(f"{program}: stopped before it began its work (a stop was asked for while it started): nothing "
+                f"changed. To go on, {job.resume_advice()}")
+            sys.exit(0)
         yield
-    except UserError as error:
+    except Finished:
+        stop_heartbeat()
+        if dist.is_initialized():
+            dist.destroy_process_group()  # every rank stopped at the same point: none waits in a collective
+    except stops.Interrupted as stop:
+        log(f"{program}: stopped by signal {stop.args[0]} before training began: nothing was trained. To go on, "
+            f"{job.resume_advice()}")
+    except (UserError, WeightsError) as error:
         if isinstance(error, paths.Held):  # another run's folder: nothing of this run is written there
             _state.output_dir = None
-        if error.this_rank and get_world_size() > 1:
+        if getattr(error, "this_rank", False) and get_world_size() > 1:
             _stop(f"rank {get_rank()}: {error}", say_it=True)
         _stop(str(error), say_it=is_main_process())
     except BadInput as error:
+        if not dist.is_initialized():
+            _stop(_one_line(error), say_it=is_main_process())
         prefix = f"rank {get_rank()}: " if get_world_size() > 1 else ""
         _stop(prefix + _one_line(error), say_it=True)
-    except torch.OutOfMemoryError as error:
-        prefix = f"rank {get_rank()}: " if get_world_size() > 1 else ""
-        _stop(prefix + out_of_memory(error), say_it=True)
     except Exception as error:
+        if isinstance(error, torch.OutOfMemoryError) or is_cpu_out_of_memory(error):
+            prefix = f"rank {get_rank()}: " if get_world_size() > 1 else ""
+            _stop(prefix + out_of_memory(error), say_it=True)
+        if isinstance(error, dist.DistError) and not dist.is_initialized():
+            _stop(f"rank {get_rank()}: " + _did_not_meet(error), say_it=True)
         if not (dist.is_initialized() and is_collective_failure(error)):
             raise
-        paths.release_output()
-        if _peer_stopped_on_a_mistake():
-            os._exit(1)  # the rank that met it said why; not sys.exit: a broken process group can hang
-        checkpoint = os.path.join(output_dir, "checkpoint.pth") if output_dir else None
-        last = ""
-        if getattr(args, "evaluate", False):
-            last = " Run the same command again to evaluate"
-        elif checkpoint and os.path.isfile(checkpoint):
-            last = f" The last checkpoint: {checkpoint}; {paths.resume_advice()}"
-        elif checkpoint:
-            last = " No checkpoint was written yet: run the same command again to start over"
-        print(f"{program}: error: rank {get_rank()}: a collective failed or waited more than --dist-timeout "
-              f"({_one_line(error)}). {describe_peers()}.{last}", file=sys.stderr, flush=True)
-        os._exit(1)
+        _lost_peer(error)
     finally:
+        stops.restore()
+        stop_heartbeat()
+        records.close_writer()
         paths.release_output()  # --output-dir free for the next run (paths.hold_output)
-        if _state.handlers is not None:  # the signals go back to what they did before this run
-            for signum, handler in _state.handlers.items():
-                signal.signal(signum, handler)
-            _state.handlers = None
 
 
-def guarded(program, folder=None):
-    """A decorator: main(args) run inside guard(program, args.<folder>, args)."""
+def guarded(program):
+    """A decorator: main(args) run inside guard(program, args)."""
     def decorate(main):
         @functools.wraps(main)
         def run(args):
-            with guard(program, getattr(args, folder) if folder else None, args):
+            with guard(program, args):
                 return main(args)
         return run
     return decorate
+
+
+def _lost_peer(error):
+    """A collective failed or timed out: this rank says which rank it lost (from the heartbeats), and what to do."""
+    paths.release_output()
+    if _peer_stopped_on_a_mistake():
+        os._exit(1)  # the rank that met it said why; not sys.exit: a broken process group can hang
+    checkpoint = job.checkpoint_path(_state.output_dir) if _state.output_dir else None
+    last = ""
+    if getattr(_state.args, "evaluate", False):
+        last = " Run the same command again to evaluate"
+    elif checkpoint and os.path.isfile(checkpoint):
+        last = f" The last checkpoint: {checkpoint}; {job.resume_advice()}"
+    elif checkpoint:
+        last = " No checkpoint was written yet: run the same command again to start over"
+    print(f"{_state.program}: error: rank {get_rank()}: a collective failed or waited more than --dist-timeout "
+          f"({_one_line(error)}). {describe_peers()}.{last}", file=sys.stderr, flush=True)
+    os._exit(1)
 
 
 # --- out of memory -----------------------------------------------------------------------------------------
 _PHASES = {"train_one_epoch": "a training step", "evaluate": "the evaluation", "run_batch": "a prediction"}
 
 
+def is_cpu_out_of_memory(error):
+    """The CPU's allocator says it in a plain RuntimeError ("DefaultCPUAllocator: can't allocate memory"); CUDA's
+    raises torch.OutOfMemoryError."""
+    return isinstance(error, RuntimeError) and "DefaultCPUAllocator: can't allocate memory" in str(error)
+
+
 def memory_figures():
     """(this process's device, its memory in GiB, the peak this process reached in GiB, as the log shows it: a
     GPU's peak allocated, or the CPU's peak resident set)."""
-    import records  # (records imports this module)
     if torch.cuda.is_available():
         device = torch.device("cuda", torch.cuda.current_device())
         total = torch.cuda.get_device_properties(device).total_memory
-        return f"GPU {device.index}", total / 2**30, records.peak_memory_gib(device)
+        return f"GPU {device.index}", total / 2**30, torch.cuda.max_memory_allocated(device) / 2**30
+    import resource
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return "the CPU", total / 2**30, records.peak_memory_gib(torch.device("cpu"))
+    return "the CPU", total / 2**30, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
 def _less_precise():
@@ -209,7 +205,7 @@ def out_of_memory(error):
     else:
         settings = "before the first step"
         tries.append("a smaller model (--model)")
-    under_run_sh = os.environ.get("DEEPLAB_RUN_SH") == "1" and _state.program == "main.py"
+    under_run_sh = job.env().under_run_sh and _state.program == "main.py"
     advice = ", ".join(tries[:-1]) + (", or " if len(tries) > 1 else "") + tries[-1]
     return (f"out of memory in {phase} ({settings}, {precision}; {device}: {total:.1f} GiB in all, {peak:.1f} GiB at "
             f"the peak): try {advice}" + (" (after ./run.sh)" if under_run_sh else ""))
@@ -242,7 +238,7 @@ def is_collective_failure(error):
 def _stop_files():
     """Where a mistake is recorded: the output folder (shared by every node), and this machine's temporary
     folder for when the output folder cannot be written (a full disk)."""
-    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
+    run_id = job.env().run_id or "none"
     mine = os.path.join(tempfile.gettempdir(), f"deeplab-stopped-{run_id}.json")
     return [os.path.join(_state.output_dir, ".stopped.json"), mine] if _state.output_dir else [mine]
 
@@ -251,8 +247,8 @@ def _stop(message, say_it):
     """Say the one line, record it for the peers and for torchrun's restarts, exit 1."""
     if say_it:
         print(f"{_state.program}: error: {message}", file=sys.stderr, flush=True)
-        if get_world_size() > 1 or "TORCHELASTIC_RUN_ID" in os.environ:
-            record = {"run_id": os.environ.get("TORCHELASTIC_RUN_ID", ""), "time": time.time(), "message": message}
+        if get_world_size() > 1 or job.env().run_id is not None:
+            record = {"run_id": job.env().run_id or "", "time": time.time(), "message": message}
             for path in _stop_files():
                 try:
                     os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -289,11 +285,11 @@ def _exit_if_stopped_before():
     on a mistake recorded it: a restarted worker of the same torchrun job exits at once, without a word
     (the line was said), so the job ends after torchrun's restarts run out, seconds later, instead of
     meeting the same bad file again. In the first attempt, rank 0 clears a record of an earlier job."""
-    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    run_id = job.env().run_id
     if run_id is None:
         return
     record = _read_stop_file()
-    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) == 0:
+    if job.env().restarts == 0:
         if record is not None and is_main_process():
             for path in _stop_files():
                 if os.path.exists(path):
@@ -302,107 +298,58 @@ def _exit_if_stopped_before():
         sys.exit(1)
 
 
-# --- signals: stop at the end of the step ---------------------------------------------------------------
-def install_signal_handlers():
-    """SIGTERM (a scheduler's preemption, torchrun passing one on) or SIGINT (Ctrl-C): main.py finishes the
-    step, the ranks agree, rank 0 saves where they are, all exit 0. A second signal exits at once."""
-    _state.handlers = {signum: signal.signal(signum, _on_signal) for signum in (signal.SIGTERM, signal.SIGINT)}
-
-
-def _on_signal(signum, frame):
-    if _state.signal is None:
-        _state.signal, _state.signal_time = signum, time.time()
-    elif time.time() - _state.signal_time > 1.0:  # a second signal (not a copy of the first, which a
-        signal.signal(signum, signal.SIG_DFL)     # scheduler and a launcher may both send): stop now
-        os.kill(os.getpid(), signum)
-
-
-def stop_signal():
-    """The signal that asked this process to stop, or None. run.sh also writes the first signal's name into the
-    file DEEPLAB_STOP_FILE names: a worker that was still starting then (the signal killed it before it had
-    handlers, and torchrun started it again) or not yet started learns it there."""
-    stop_file = os.environ.get("DEEPLAB_STOP_FILE")
-    if _state.signal is None and stop_file and os.path.exists(stop_file):
-        try:
-            with open(stop_file) as f:
-                name = f.read().strip()
-        except OSError:
-            name = "TERM"  # gone again (run.sh ended) or unreadable: it was there, a stop was asked for
-        _state.signal = int(getattr(signal, f"SIG{name}", signal.SIGTERM))
-        _state.signal_time = time.time()
-    return _state.signal
-
-
-def worker_init(worker_id):
-    """DataLoader workers' init. A stop sent to the whole process group (Ctrl-C in a terminal; SIGTERM from
-    `timeout`, `kill -- -PGID`, a scheduler that signals every process of a job) reaches the workers too: they
-    leave it to the training process, which must still read the batch in flight, finish its step and save. (The
-    DataLoader ends its workers through a queue and an event; a worker whose parent died ends by itself within
-    seconds.) And a forked worker lets go of its copy of the --output-dir lock, which would otherwise hold the
-    folder after its parent was killed."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    paths.forget_hold()
-
-
-def _end_workers_at_exit():
-    """The other side of worker_init. At the exit of the process that started them, multiprocessing's exit hook
-    (multiprocessing.util._exit_function) sends SIGTERM to the daemonic children still running (DataLoader workers
-    are daemonic) and then waits for them. Workers that ignore SIGTERM would make that wait last for ever: after
-    an error raised inside `for ... in loader`, the loader's iterator can still be alive at exit (the error's
-    traceback holds it), its workers never told to stop, and main.py would print its one line and then hang. So
-    every daemonic child still running at exit (a DataLoader's worker, or a Pool's left open) gets SIGKILL, which
-    cannot be ignored, first. atexit runs its functions last registered first, and this one is registered after
-    multiprocessing.util's (imported above); it runs in the process whose script ends (a multiprocessing child
-    runs the exit hook itself and never reaches atexit)."""
-    # The DataLoader's SIGCHLD handler raises "DataLoader worker ... is killed by signal" for a worker of a live
-    # iterator that died: here that death is ours, and the default (ignore SIGCHLD) lets the loop reach every child.
-    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-    for child in multiprocessing.active_children():
-        if child.daemon:
-            child.kill()
-            child.join(timeout=10)  # a process in uninterruptible I/O (a hung network mount) dies when it returns
-
-
-atexit.register(_end_workers_at_exit)
-
-
-# --- a lost peer ------------------------------------------------------------------------------------------
+# --- a lost peer, and the wait for the peers ------------------------------------------------------------------
 HEARTBEAT_S = 2.0
 
 
-def note_step(step):
-    """The training step this rank is at, for its heartbeat."""
-    _state.step = step
+def watch_peers(minutes, after_s=5.0, every_s=60.0):
+    """Before init_process_group, on every rank: a thread that, while the process group forms, says after after_s
+    seconds and then every every_s what this process waits for, where, and when it gives up (rank 0 and each node's
+    first process); and once the group exists writes (time, steps done) of this rank into the store it met at,
+    every HEARTBEAT_S: a rank that is stopped, killed or cut off falls silent, one stuck in its own work falls
+    behind. When a collective fails, describe_peers() reads this to name the rank. stop_heartbeat() ends it."""
+    env, stopping = job.env(), threading.Event()
+    gives_up = time.strftime("%H:%M:%S", time.localtime(time.time() + minutes * 60))
+    _state.waiting_since = time.time()
 
-
-def start_heartbeat():
-    """Every HEARTBEAT_S, write (time, training step) of this rank into the store the process group
-    rendezvoused with, from a thread: a rank that is stopped, killed or cut off falls silent, one stuck in
-    its own work falls behind. When a collective fails, describe_peers() reads this to name the rank.
-    stop_heartbeat() ends the thread: before the process group goes, or the thread may use a store that is
-    being torn down."""
-    store, key, stopping = dist.distributed_c10d._get_default_store(), f"heartbeat/{get_rank()}", threading.Event()
-
-    def beat():
-        while not stopping.is_set():
+    def watch():
+        say_at = _state.waiting_since + after_s
+        while not dist.is_initialized():
+            if stopping.wait(0.2):
+                return
+            if time.time() >= say_at and (env.rank == 0 or env.local_rank == 0):
+                print(f"{_state.program}: rank {env.rank}: waiting {time.time() - _state.waiting_since:.0f} s for the "
+                      f"{env.world_size} processes to meet at {env.master} (the process group); it gives up at "
+                      f"{gives_up} (--dist-timeout {minutes:g} min)", file=sys.stderr, flush=True)
+                say_at += every_s
+        store, key = dist.distributed_c10d._get_default_store(), f"heartbeat/{get_rank()}"
+        while not stopping.is_set() and dist.is_initialized():
             try:
-                store.set(key, f"{time.time()} {_state.step}")
+                store.set(key, f"{time.time()} {stops.steps_done()}")
             except Exception:  # the store is gone: the job is ending
                 return
             stopping.wait(HEARTBEAT_S)
 
-    thread = threading.Thread(target=beat, daemon=True, name="heartbeat")
+    thread = threading.Thread(target=watch, daemon=True, name="peers")
     thread.start()
-    _state.heartbeat = (thread, stopping)
+    _state.watcher = (thread, stopping)
 
 
 def stop_heartbeat():
-    if _state.heartbeat is not None:
-        thread, stopping = _state.heartbeat
+    if _state.watcher is not None:
+        thread, stopping = _state.watcher
         stopping.set()
         thread.join(timeout=10)
-        _state.heartbeat = None
+        _state.watcher = None
+
+
+def _did_not_meet(error):
+    """init_process_group gave up (the store says how many came), or the address is not there."""
+    env = job.env()
+    waited = time.time() - (_state.waiting_since or time.time())
+    return (f"the {env.world_size} processes did not all meet at {env.master} within {waited:.0f} s "
+            f"({first_line(error)}): start every rank, 0 to WORLD_SIZE-1, with the same MASTER_ADDR and MASTER_PORT, "
+            "reachable from each (a firewall, another network interface?)")
 
 
 def describe_peers():
@@ -433,120 +380,8 @@ def describe_peers():
     return "every rank alive and at the same step: a rank is stuck inside a collective, or the network failed"
 
 
-# --- stopping together ---------------------------------------------------------------------------------------
-class StopVote:
-    """Whether every rank should stop training, agreed after each step without stalling the GPU's queue.
 
-    Each step casts a vote (a signal reached this rank; its loss is NaN or infinite) in a small all_reduce (MAX)
-    queued behind the step, and reads the vote of the step before, which is long done by then. Reading a vote
-    at once would make the CPU wait for its whole step to finish before queueing the next: the GPU would idle
-    while the next batch is copied and its kernels launched. So every rank stops at the same step, one step
-    after the cause: a signal stops them within two steps, with a checkpoint (the step the stop is read at is
-    voted on as well, once, so that a NaN there is not saved either); a NaN step is never saved. On
-    the CPU (gloo) the all_reduce is done when it returns, and the delay changes nothing."""
-
-    def __init__(self, device):
-        self.device, self.pending = device, None
-
-    def cast(self, loss):
-        """This step's vote. -> the previous step's decision: None, "signal" or "nonfinite"."""
-        votes = torch.stack([(~torch.isfinite(loss.detach())).float(),
-                             torch.full((), float(stop_signal() is not None), device=self.device)])
-        if dist.is_initialized():
-            dist.all_reduce(votes, op=dist.ReduceOp.MAX)  # NCCL: queued on its stream, the CPU goes on
-        votes = votes.to("cpu", non_blocking=True)  # from the GPU: into pinned memory, when the step is done
-        done = None
-        if self.device.type == "cuda":
-            done = torch.cuda.Event()
-            done.record()
-        previous, self.pending = self.pending, (votes, done)
-        decision = self._decision(previous)
-        if decision == "signal" and self.result() == "nonfinite":  # this step's too: its weights are not saved
-            decision = "nonfinite"
-        return decision
-
-    def result(self):
-        """The last step's decision, once the epoch's steps are queued."""
-        previous, self.pending = self.pending, None
-        return self._decision(previous)
-
-    @staticmethod
-    def _decision(vote):
-        if vote is None:
-            return None
-        votes, done = vote
-        if done is not None:
-            done.synchronize()  # the step before this one: done, or nearly
-        nonfinite, signal_seen = votes.tolist()
-        return "nonfinite" if nonfinite else "signal" if signal_seen else None
-
-
-def stop_in_epoch(why, epoch, step, steps_per_epoch, checkpoint_path, save):
-    """Training stopped part-way through an epoch, every rank at the same step. "nonfinite": nothing is saved
-    (the last checkpoint is the last good one; a restart would meet the NaN again: exit 1). "signal": rank 0
-    saves the position (save(), called on rank 0 alone), every rank exits 0."""
-    if why == "nonfinite":
-        fail(f"the loss became NaN or infinite in epoch {epoch}: stopped without saving; "
-             f"{checkpoint_path if os.path.isfile(checkpoint_path) else 'no checkpoint'} is the last good one. "
-             "Try a lower --lr, or --amp bf16 instead of fp16")
-    if is_main_process():
-        save()
-    log(f"stopped by signal {stop_signal() or 'on another rank'} at epoch {epoch} step {step}/{steps_per_epoch}; "
-        f"saved {checkpoint_path}. To resume, {paths.resume_advice()}")
-
-
-def stop_after_epoch(problem, device, checkpoint_path, last=False):
-    """After an epoch's files (rank 0 wrote them; problem: why it could not, or None), every rank learns whether
-    rank 0 failed to write (all stop with its line, exit 1) and whether a signal came during the evaluation
-    (all stop, exit 0). last: the epoch was the last one, so there is nothing left to stop. -> whether to stop."""
-    flags = torch.tensor([stop_signal() is not None, problem is not None], dtype=torch.float32, device=device)
-    if dist.is_initialized():
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-    signal_seen, write_failed = flags.tolist()
-    if write_failed:
-        fail(problem or "rank 0 could not write this epoch's files")
-    if signal_seen and last:
-        log("a stop was asked for at the end of the last epoch: training had finished, nothing is left to stop")
-        return False
-    if signal_seen:
-        log(f"stopped by signal after an epoch; saved {checkpoint_path}. To resume, {paths.resume_advice()}")
-    return bool(signal_seen)
-
-
-# --- waits that say what they wait for ----------------------------------------------------------------------------
-@contextmanager
-def waiting_for_peers(minutes, after_s=5.0, every_s=60.0):
-    """Around init_process_group: when it takes more than after_s seconds (a process that has not started yet, or
-    cannot reach MASTER_ADDR), rank 0 and each node's first process say what they wait for, where, and when it
-    gives up; again every every_s seconds."""
-    rank, local_rank = int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
-    done = threading.Event()
-    where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
-    gives_up = time.strftime("%H:%M:%S", time.localtime(time.time() + minutes * 60))
-
-    def say():
-        waited = 0.0
-        while not done.wait(after_s if waited == 0 else every_s):
-            waited = time.time() - started
-            print(f"{_state.program}: rank {rank}: waiting {waited:.0f} s for the {os.environ.get('WORLD_SIZE', '?')} "
-                  f"processes to meet at {where} (the process group); it gives up at {gives_up} (--dist-timeout "
-                  f"{minutes:g} min)", file=sys.stderr, flush=True)
-
-    started = time.time()
-    thread = threading.Thread(target=say, daemon=True, name="waiting")
-    if rank == 0 or local_rank == 0:
-        thread.start()
-    try:
-        yield
-    except dist.DistError as error:  # the wait ran out (the store says how many came), or the address is not there
-        fail(f"the {os.environ.get('WORLD_SIZE', '?')} processes did not all meet at {where} within "
-             f"{time.time() - started:.0f} s ({paths.first_line(error)}): start every rank, 0 to WORLD_SIZE-1, with "
-             "the same MASTER_ADDR and MASTER_PORT, reachable from each (a firewall, another network interface?)",
-             this_rank=True)
-    finally:
-        done.set()
-
-
+# --- run.sh's wait for the other nodes ------------------------------------------------------------------
 def watch_rendezvous(endpoint, run_id, nodes, timeout_s, first_s=5.0, every_s=60.0):
     """run.sh, beside torchrun on each node of several: until the nodes have met at torchrun's c10d rendezvous,
     say after first_s seconds and then every every_s how many have joined, where, and when torchrun gives up

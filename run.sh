@@ -96,7 +96,8 @@ if compgen -G "$DATA/leftImg8bit/train/*/*_leftImg8bit.png" >/dev/null || [ -f "
   # main.py's defaults are the recipe (VainF/DeepLabV3Plus-Pytorch's: DeepLabV3+ ResNet-101, output stride 16,
   # crop 768, global batch 16, lr 0.1 with the backbone at 0.01, 30k iterations, ImageNet backbone). run.sh
   # keeps the global batch at 16 with at most the two-GPU layout's 8 images per process and forward (about
-  # 9 GiB with --amp, 15 in fp32: docs/memory.md): one process accumulates two batches of 8 (--accum-steps 2),
+  # 9 GiB with --amp, 15 in fp32: docs/memory.md): one process accumulates two batches of 8 (--accum-steps 2:
+  # the gradient of 16 images, but BatchNorm's statistics over each forward's 8, where two GPUs' cover 16),
   # two take 8 each, four 4, eight 2.
   BATCH=$(( 16 / WORLD )); [ "$BATCH" -ge 1 ] || BATCH=1
   [ "$BATCH" -le 8 ] || BATCH=8
@@ -157,7 +158,7 @@ setsid "$PYTHON" -m torch.distributed.run "${LAUNCH[@]}" --nproc_per_node "$NPRO
 LAUNCHER=$!
 if [ "$NNODES" -gt 1 ]; then
   # Waiting for the other nodes says so, once after a few seconds and then every minute: how many have joined
-  # the rendezvous at MASTER_ADDR:MASTER_PORT, and when torchrun gives up (recovery.py).
+  # the rendezvous at MASTER_ADDR:MASTER_PORT, and when torchrun gives up (recovery.watch_rendezvous).
   PYTHONPATH="$ROOT" "$PYTHON" -c 'import recovery, sys; recovery.watch_rendezvous(*sys.argv[1:])' \
     "$MASTER_ADDR:$MASTER_PORT" "${RDZV_ID:-deeplab}" "$NNODES" "$JOIN_TIMEOUT" &
   WATCHER=$!

@@ -23,7 +23,8 @@ import torchvision
 from PIL import Image, ImageDraw
 
 import paths
-from checks import at_least
+from checks import Range, check_numbers
+from errors import UserError
 from dataset import IGNORE_INDEX, palette_of
 
 _TABLE = torchvision.datasets.Cityscapes.classes  # the official label table: ids, categories, colours
@@ -258,21 +259,26 @@ def write_synthetic(root, num_train=200, num_val=50, size=(256, 128), seed=0, ph
 def get_args_parser():
     parser = argparse.ArgumentParser(prog="synthetic.py", description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("folder", metavar="DIR", help="a new or empty folder to write the data set into")
-    parser.add_argument("--num-train", type=at_least(1), default=200, help="(default: %(default)s)")
-    parser.add_argument("--num-val", type=at_least(1), default=50, help="(default: %(default)s)")
-    parser.add_argument("--num-test", type=at_least(0), default=0, help="a test split too (default: none)")
-    parser.add_argument("--size", type=at_least(16), nargs=2, default=(256, 128), metavar=("W", "H"),
+    parser.add_argument("--num-train", type=int, default=200, help="(default: %(default)s)")
+    parser.add_argument("--num-val", type=int, default=50, help="(default: %(default)s)")
+    parser.add_argument("--num-test", type=int, default=0, help="a test split too (default: none)")
+    parser.add_argument("--size", type=int, nargs=2, default=(256, 128), metavar=("W", "H"),
                         help="(default: 256 128)")
-    parser.add_argument("--seed", type=at_least(0), default=0, help="(default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
     parser.add_argument("--layout", choices=("cityscapes", "folder"), default="cityscapes",
                         help="Cityscapes' layout (19 classes), or images/, masks/ and classes.json (7 classes) "
                         "(default: %(default)s)")
     parser.add_argument("--photo", action="store_true", help="photo-like: as large and slow to decode as real frames")
-    parser.add_argument("--unique", type=at_least(1), default=None, metavar="N",
+    parser.add_argument("--unique", type=int, default=None, metavar="N",
                         help="draw N scenes a split and link the others to them (default: all drawn)")
-    parser.add_argument("-j", "--workers", type=at_least(0), default=1,
+    parser.add_argument("-j", "--workers", type=int, default=1,
                         help="processes drawing at once (0, 1: this one) (default: %(default)s)")
     return parser
+
+
+RANGES = {"num_train": ("--num-train", Range(1)), "num_val": ("--num-val", Range(1)),
+          "num_test": ("--num-test", Range(0)), "size": ("--size", Range(16)), "seed": ("--seed", Range(0)),
+          "unique": ("--unique", Range(1)), "workers": ("-j/--workers", Range(0))}
 
 
 def _stop(signum, frame):
@@ -283,9 +289,10 @@ if __name__ == "__main__":
     args = get_args_parser().parse_args()
     signal.signal(signal.SIGTERM, _stop)
     try:
+        check_numbers(args, RANGES)
         write_synthetic(args.folder, args.num_train, args.num_val, tuple(args.size), args.seed, args.photo,
                         args.layout, args.workers, args.unique, args.num_test)
-    except paths.UserError as error:
+    except UserError as error:
         sys.exit(f"synthetic.py: error: {error}")
     except OSError as error:  # a full disk: write_folder removed what it had written
         sys.exit(f"synthetic.py: error: cannot write {args.folder} ({error.strerror or error}); nothing half-written "

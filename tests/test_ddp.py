@@ -9,7 +9,6 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Subset
 from torch.utils.data.distributed import DistributedSampler
 
-import checkpoints
 import main
 from dataset import IGNORE_INDEX, NUM_CLASSES, Cityscapes
 from models import build_model
@@ -125,7 +124,8 @@ def test_eval_shards_count_every_image_exactly_once():
 def _evaluate(rank, world_size, tmp, data):
     val_set = Cityscapes(data, "val")
     loader = DataLoader(Subset(val_set, main.eval_shard(len(val_set), rank, world_size)), batch_size=1)
-    confusion, _ = main.evaluate(_tiny_model(seed=5), loader, torch.device("cpu"), NUM_CLASSES)
+    args = main.get_args_parser().parse_args([])
+    confusion, _ = main.evaluate(_tiny_model(seed=5), loader, torch.device("cpu"), NUM_CLASSES, args)
     if rank == 0:
         torch.save(confusion, f"{tmp}/confusion_{world_size}.pt")
 
@@ -161,11 +161,10 @@ def test_loss_ignores_255_and_is_finite_on_an_all_ignored_crop():
 
 def test_a_failed_checkpoint_write_leaves_the_previous_one_whole(tmp_path):
     path = str(tmp_path / "checkpoint.pth")
-    checkpoints.save({"model": {"w": torch.ones(3)}, "epoch": 1}, path, keep_previous=True)
-    checkpoints.save({"model": {"w": torch.full((3,), 2.0)}, "epoch": 2}, path, keep_previous=True)
+    main.save_checkpoint({"model": {"w": torch.ones(3)}, "epoch": 1}, path)
+    main.save_checkpoint({"model": {"w": torch.full((3,), 2.0)}, "epoch": 2}, path)
     with pytest.raises(Exception):  # dies half-way through writing: a lambda cannot be saved
-        checkpoints.save({"model": {"w": torch.zeros(1000)}, "epoch": 3, "bad": lambda: 0}, path,
-                             keep_previous=True)
+        main.save_checkpoint({"model": {"w": torch.zeros(1000)}, "epoch": 3, "bad": lambda: 0}, path)
     assert torch.load(path, weights_only=True)["epoch"] == 2
     assert torch.load(str(tmp_path / "checkpoint.prev.pth"), weights_only=True)["epoch"] == 1
 

@@ -8,6 +8,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from conftest import TRAIN_ARGS
+import errors
 import inference
 import main
 from dataset import NUM_CLASSES, Cityscapes
@@ -34,15 +35,19 @@ def varied_model(seed=0):
     return model
 
 
-def mode_of(argv):
+def args_of(argv):
     parser = argparse.ArgumentParser()
     inference.add_arguments(parser)
-    return inference.read_mode(parser.parse_args(argv))
+    return parser.parse_args(argv)
+
+
+def mode_of(argv):
+    return inference.read_mode(args_of(argv))
 
 
 def confusion(model, tiny_data):
     loader = DataLoader(Cityscapes(tiny_data, "val"), batch_size=1)
-    return main.evaluate(model, loader, torch.device("cpu"), NUM_CLASSES)[0]
+    return main.evaluate(model, loader, torch.device("cpu"), NUM_CLASSES, main.get_args_parser().parse_args([]))[0]
 
 
 @pytest.mark.parametrize("argv", [["--eval-scales", "1.0"], ["--eval-crop", "32", "64"], ["--eval-crop", "100"]],
@@ -51,7 +56,7 @@ def test_one_view_gives_the_plain_evaluations_confusion_matrix(argv, tiny_data):
     model = varied_model()
     plain = confusion(model, tiny_data)
     assert (plain.sum(0) > 0).sum() >= 3  # several classes predicted: the comparison means something
-    assert torch.equal(confusion(inference.wrap(model, mode_of(argv)), tiny_data), plain)
+    assert torch.equal(confusion(inference.wrap(model, args_of(argv)), tiny_data), plain)
 
 
 def test_windows_cover_every_pixel_and_end_at_the_edge():
@@ -74,9 +79,9 @@ def test_views_average_to_probabilities_at_the_inputs_size():
 
 def test_eval_flags_checked_in_one_line(tiny_data, tmp_path, capsys):
     assert mode_of([]) is None
-    assert mode_of(["--eval-crop", "769"])["stride"] == (513, 513)
+    assert mode_of(["--eval-crop", "769"]).stride == (513, 513)
     for argv in (["--eval-stride", "8"], ["--eval-crop", "16", "--eval-stride", "17"], ["--eval-crop", "8", "9", "10"]):
-        with pytest.raises(main.recovery.UserError):
+        with pytest.raises(errors.UserError):
             mode_of(argv)
     # Training evaluates single-scale after each epoch: main.py says so before any work.
     args = main.get_args_parser().parse_args(["--data", tiny_data, "--output-dir", str(tmp_path), *TRAIN_ARGS,

@@ -42,7 +42,7 @@ def _manual_launch(out, data):
     return outputs[0]
 
 
-@pytest.mark.parametrize("form", ["torchrun", "launch", "local_rank", "plain"])
+@pytest.mark.parametrize("form", ["launch", "local_rank", "plain"])  # torchrun: run.sh's tests and test_lesson.py
 def test_each_launch_form_trains_and_evaluates(form, tiny_data, tmp_path, capsys):
     out = str(tmp_path / "out")
     common = ["main.py", "--data", tiny_data, "--output-dir", out, "--epochs", "1", *TRAIN_ARGS]

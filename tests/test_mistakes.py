@@ -11,8 +11,10 @@ import pytest
 import torch
 
 import checkpoints
+import errors
 import main
 import paths
+import stops
 from conftest import ROOT, TRAIN_ARGS
 
 
@@ -61,7 +63,7 @@ def on_the_cpu(monkeypatch):
 
 @pytest.mark.parametrize("argv, expect", [
     (["-b", "0"], "-b/--batch-size: 0 must be at least 1"),
-    (["-b", "two"], "'two' is not an integer"),
+    (["-b", "two"], "argument -b/--batch-size: invalid int value: 'two'"),
     (["-j", "-1"], "-j/--workers: -1 must be at least 0"),
     (["--lr", "-1"], "--lr: -1 must be above 0"),
     (["--lr", "nan"], "--lr: nan must be above 0"),
@@ -76,18 +78,24 @@ def on_the_cpu(monkeypatch):
     (["--dist-timeout", "0"], "--dist-timeout: 0 must be above 0"),
     (["--dist-timeout", "nan"], "--dist-timeout: nan must be above 0"),
     (["--dist-timeout", "-5"], "--dist-timeout: -5 must be above 0"),
-    (["--dist-timeout", "1e300"], "--dist-timeout: 1e300 must be above 0 and at most 10080"),
-    (["--seed", "100000000000000000000000"], "--seed: 100000000000000000000000 must be at least 0 and at most"),
+    (["--dist-timeout", "1e300"], "--dist-timeout: 1e+300 must be above 0 and at most 10080"),
+    (["--seed", str(2**64)], f"--seed {2**64} with --epochs 162: the sampler's seed of the last epoch (--seed + epoch) "
+                             "would pass 2**64 - 1, the most torch's generators take; give a --seed of at most "
+                             f"{2**64 - 162}"),
     (["--check-only", "0"], "--check-only: 0 must be at least 1"),
     (["--color-jitter", "1.5"], "--color-jitter: 1.5 must be at least 0 and at most 1"),
     (["--scale-range", "0", "2"], "--scale-range: 0 must be above 0"),
     (["--crop-size", "-8"], "--crop-size: -8 must be at least 1"),
 ])
-def test_numbers_out_of_range_are_refused_where_they_are_parsed(argv, expect, capsys):
-    with pytest.raises(SystemExit) as exit_info:
-        main.get_args_parser().parse_args(argv)
-    assert exit_info.value.code == 2
-    line = _one_error_line(capsys)
+def test_numbers_out_of_range_are_refused_before_any_work(argv, expect, tmp_path, capsys):
+    if "two" in argv:  # not a number at all: argparse's int refuses it, with its usage line
+        with pytest.raises(SystemExit) as exit_info:
+            main.get_args_parser().parse_args(argv)
+        assert exit_info.value.code == 2
+        line = _one_error_line(capsys)
+    else:  # parsed with plain types; checked first thing, in one line (checks.py)
+        line = _main_fails(["--data", str(tmp_path / "data"), "--output-dir", str(tmp_path / "out"), *argv], capsys)
+        assert not os.path.exists(tmp_path / "out")
     assert expect in line, line
 
 
@@ -146,8 +154,7 @@ def test_a_torn_metrics_line_is_dropped_on_resume(tmp_path):
     path = str(tmp_path / "metrics.jsonl")
     with open(path, "w") as f:
         f.write('{"epoch": 0, "miou": 0.5}\n{"epoch": 1, "miou": 0.6}\n{"epoch": 2, "mi')  # killed mid-line
-    checkpoints.continue_run_at(SimpleNamespace(output_dir=str(tmp_path)), SimpleNamespace(path=None),
-                                SimpleNamespace(epoch=2, step=0))
+    checkpoints.continue_run_at(SimpleNamespace(output_dir=str(tmp_path)), checkpoints.Start(), 2, 0)
     with open(path) as f:
         assert f.read() == '{"epoch": 0, "miou": 0.5}\n{"epoch": 1, "miou": 0.6}\n'  # the next line starts whole
 
@@ -182,14 +189,14 @@ def test_an_empty_checkpoint_falls_back_to_the_one_before(trained, tmp_path, cap
     shutil.copytree(trained, out)
     shutil.copy(os.path.join(out, "checkpoint.pth"), os.path.join(out, "checkpoint.prev.pth"))
     open(os.path.join(out, "checkpoint.pth"), "wb").close()  # 0 bytes
-    checkpoint, path = checkpoints._find_in_run(out, evaluate=False)
-    assert path.endswith("checkpoint.prev.pth") and checkpoint["epoch"] == 1
+    path = checkpoints._find_in_run(out, evaluate=False)
+    assert path.endswith("checkpoint.prev.pth") and checkpoints.read("--resume", path)["epoch"] == 1
 
 
 def test_a_full_disk_keeps_the_previous_checkpoint_and_no_half_file(tmp_path, monkeypatch, capsys):
     path = str(tmp_path / "checkpoint.pth")
-    checkpoints.save({"epoch": 1}, path, keep_previous=True)
-    checkpoints.save({"epoch": 2}, path, keep_previous=True)
+    main.save_checkpoint({"epoch": 1}, path)
+    main.save_checkpoint({"epoch": 2}, path)
     before = _snapshot(str(tmp_path))
 
     def full_disk(state, f):
@@ -197,8 +204,8 @@ def test_a_full_disk_keeps_the_previous_checkpoint_and_no_half_file(tmp_path, mo
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(torch, "save", full_disk)
-    with pytest.raises(paths.UserError) as error:
-        checkpoints.save({"epoch": 3}, path, keep_previous=True)
+    with pytest.raises(errors.UserError) as error:
+        main.save_checkpoint({"epoch": 3}, path)
     assert "No space left on device" in str(error.value) and "checkpoint.pth is the last one written" in str(error.value)
     assert _snapshot(str(tmp_path)) == before  # no .tmp left, checkpoint.pth and .prev.pth as they were
 
@@ -310,8 +317,8 @@ def test_the_advice_after_a_stop_continues_the_run_instead_of_starting_over(tiny
     read = dataset.SegmentationFiles.__getitem__
 
     def signal_at_the_first_read(self, index):  # SIGTERM during the first step: the ranks stop one step later
-        if self.crop_size is not None and recovery._state.signal is None:
-            recovery._on_signal(signal.SIGTERM, None)
+        if self.crop_size is not None and stops._state.signal is None:
+            stops._on_signal(signal.SIGTERM, None)
         return read(self, index)
     monkeypatch.setattr(dataset.SegmentationFiles, "__getitem__", signal_at_the_first_read)
     common = ["--data", tiny_data, "--output-dir", out, *TRAIN_ARGS, "--epochs", "2"]
@@ -499,7 +506,7 @@ def test_a_generated_data_set_never_lands_on_files(tmp_path):
     mine = tmp_path / "mine"
     mine.mkdir()
     (mine / "photo.jpg").write_bytes(b"the user's own file")
-    with pytest.raises(paths.UserError, match="is not empty: give a new or empty folder"):
+    with pytest.raises(errors.UserError, match="is not empty: give a new or empty folder"):
         write_synthetic(str(mine), 2, 1, (32, 16))
     assert os.listdir(mine) == ["photo.jpg"]
 
@@ -526,7 +533,7 @@ def test_the_decode_cache_stays_out_of_the_data_set_and_minus_j_0_means_this_pro
     data = str(tmp_path / "data")
     shutil.copytree(tiny_data, data)
     before = _snapshot(data)
-    with pytest.raises(paths.UserError, match="--prepare-cache .* is inside --data"):
+    with pytest.raises(errors.UserError, match="--prepare-cache .* is inside --data"):
         dataset.prepare_cache(data, os.path.join(data, "cache"), ["val"], workers=0)
     assert _snapshot(data) == before
     dataset.prepare_cache(data, str(tmp_path / "cache"), ["val"], workers=0)  # no pool: in this process
@@ -624,8 +631,7 @@ def test_a_rewind_s_start_becomes_the_run_s_checkpoint_so_a_restart_continues_it
     for name, text in (("checkpoint.pth", "epoch 6"), ("checkpoint.prev.pth", "epoch 5"), ("best.pth", "epoch 3")):
         (out / name).write_text(text)
     (out / "metrics.jsonl").write_text("".join(f'{{"epoch": {e}}}\n' for e in range(6)))
-    checkpoints.continue_run_at(SimpleNamespace(output_dir=str(out)), SimpleNamespace(path=str(out / "best.pth")),
-                                SimpleNamespace(epoch=3, step=0))
+    checkpoints.continue_run_at(SimpleNamespace(output_dir=str(out)), checkpoints.Start(str(out / "best.pth")), 3, 0)
     assert (out / "checkpoint.pth").read_text() == "epoch 3" and not (out / "checkpoint.prev.pth").exists()
     kept = {path.name.split(".rewound-")[0]: path.read_text() for path in out.iterdir() if ".rewound-" in path.name}
     assert kept == {"checkpoint": "epoch 6", "checkpoint.prev": "epoch 5", "metrics": '{"epoch": 3}\n{"epoch": 4}\n'
@@ -648,9 +654,9 @@ def test_a_torchrun_restart_keeps_what_the_first_attempt_started_from(tiny_data,
 
 
 # --- out of memory: one line, said by the rank that ran out, no restart ----------------------------------------------
-def _runs_out_of_memory(monkeypatch, when):
-    """DeepLab's forward raises torch.OutOfMemoryError (as CUDA's allocator does) when when(calls, training) says;
-    the device's memory reads 24 GiB, 22.5 at the peak."""
+def _runs_out_of_memory(monkeypatch, when, cpu=False):
+    """DeepLab's forward raises torch.OutOfMemoryError (as CUDA's allocator does; cpu: the RuntimeError the CPU's
+    allocator raises) when when(calls, training) says; the device's memory reads 24 GiB, 22.5 at the peak."""
     import models
     import recovery
     forward, calls = models.DeepLab.forward, []
@@ -658,6 +664,9 @@ def _runs_out_of_memory(monkeypatch, when):
     def forward_or_out_of_memory(self, images):
         calls.append(1)
         if when(len(calls), torch.is_grad_enabled()):
+            if cpu:
+                raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate "
+                                   "memory: you tried to allocate 2147483648 bytes. Error code 12")
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
         return forward(self, images)
     monkeypatch.setattr(models.DeepLab, "forward", forward_or_out_of_memory)
@@ -678,8 +687,8 @@ def test_out_of_memory_in_a_step_or_the_evaluation_ends_in_one_line_that_says_wh
     assert line == ("main.py: error: out of memory in the evaluation (val images whole, at full resolution, one at a "
                     "time, bf16; GPU 0: 24.0 GiB in all, 22.5 GiB at the peak): try a sliding window, --eval-crop 769 "
                     "(mmsegmentation's)"), line
-    monkeypatch.setenv("DEEPLAB_RUN_SH", "1")  # the advice as run.sh's user types it
-    _runs_out_of_memory(monkeypatch, lambda calls, training: training)
+    monkeypatch.setenv("DEEPLAB_RUN_SH", "1")  # the advice as run.sh's user types it; the CPU's allocator this time
+    _runs_out_of_memory(monkeypatch, lambda calls, training: training, cpu=True)
     line = _main_fails(common + ["--output-dir", str(tmp_path / "c"), "-b", "3", "--accum-steps", "2"], capsys)
     assert line.endswith("try --amp bf16, -b 1 --accum-steps 6 (the same global batch), or a smaller --crop-size "
                          "(after ./run.sh)"), line
@@ -747,8 +756,9 @@ def test_a_damaged_checkpoint_is_refused_by_every_reader_and_resume_auto_falls_b
     _damage(best)
     torch.load(best, weights_only=True)  # torch itself does not notice
     common = ["--data", tiny_data, *TRAIN_ARGS]
-    damaged = f"--resume {best} is damaged: what it holds differs from the digest written with it"
-    assert damaged in _main_fails(common + ["--output-dir", str(tmp_path / "e"), "-e", "--resume", best], capsys)
+    damaged = f"--resume {best} is damaged: its record"
+    line = _main_fails(common + ["--output-dir", str(tmp_path / "e"), "-e", "--resume", best], capsys)
+    assert damaged in line and "differs from the CRC-32 torch.save wrote for it" in line, line
     line = _main_fails(common + ["--output-dir", str(tmp_path / "w"), "--weights", best, "--epochs", "1"], capsys)
     assert f"--weights {best} is damaged" in line, line
     for argv in ([str(tmp_path), "--output-dir", str(tmp_path / "p")], ["--export", str(tmp_path / "m.onnx")]):
@@ -762,14 +772,47 @@ def test_a_damaged_checkpoint_is_refused_by_every_reader_and_resume_auto_falls_b
     assert "at the start of epoch 1" in said and "done:" in said, said
 
 
-def test_a_checkpoint_without_a_digest_is_read_and_said_once(trained, tmp_path, capsys):
+def test_a_byte_changed_anywhere_in_a_checkpoint_is_refused_or_changes_nothing(tmp_path):
+    """The CRC-32s torch.save writes cover what a checkpoint holds: a byte changed anywhere (each of the first and
+    last 600 bytes, where the zip's headers and directory are, and 400 places between) is refused, or leaves what
+    torch.load reads exactly as it was (a byte of the records' padding, or of a header field nothing reads)."""
+    path = str(tmp_path / "c.pth")
+    state = {"model": {"w": torch.randn(64, 32), "b": torch.arange(7.0)}, "epoch": 3, "args": {"model": "x"}}
+    torch.save(state, path)
+    good = open(path, "rb").read()
+    size = len(good)
+    places = sorted(set(range(600)) | set(range(size - 600, size)) | {600 + i * (size - 1200) // 400 for i in range(400)})
+    refused = same = 0
+    for at in places:
+        with open(path, "wb") as f:
+            f.write(good[:at] + bytes([good[at] ^ 0x5A]) + good[at + 1:])
+        try:
+            checkpoints.verify("--resume", path)
+            loaded = torch.load(path, weights_only=True)
+        except (errors.UserError, Exception):
+            refused += 1
+            continue
+        assert loaded.keys() == state.keys() and loaded["epoch"] == 3 and loaded["args"] == state["args"], at
+        assert all(torch.equal(loaded["model"][k], v) for k, v in state["model"].items()), at
+        same += 1
+    assert refused > len(places) // 2 and refused + same == len(places), (refused, same)
+    with open(path, "wb") as f:
+        f.write(good[: size // 2])  # cut short, as a copy that stopped
+    with pytest.raises(errors.UserError, match="cannot be read .*: it is truncated"):
+        checkpoints.read("--resume", path)
+
+
+def test_a_checkpoint_without_crcs_is_read_and_said_once(trained, tmp_path, capsys):
     old = str(tmp_path / "old.pth")
     state = torch.load(os.path.join(trained, "best.pth"), weights_only=True)
-    del state["digest"]  # as main.py wrote checkpoints before they carried one
-    torch.save(state, old)
+    torch.serialization.set_crc32_options(False)  # as some writers save
+    try:
+        torch.save(state, old)
+    finally:
+        torch.serialization.set_crc32_options(True)
     assert checkpoints.read("--resume", old)["epoch"] == 1 and checkpoints.read("--weights", old)
     said = capsys.readouterr().out
-    assert said.count(f"note: {old} carries no digest") == 1, said
+    assert said.count(f"note: {old} carries no CRC-32s") == 1, said
 
 
 # --- an earlier result is replaced only with a word; a full disk anywhere ends in one line ----------------------
@@ -788,9 +831,9 @@ def test_earlier_results_are_replaced_with_a_word_and_a_full_disk_writing_eval_j
                                                            str(tmp_path / "p")]))
     assert "holds an earlier prediction: 3 of its files are replaced" in capsys.readouterr().out
 
-    def full_disk(path, data, before_rename=None):
+    def full_disk(path, data):
         raise OSError(28, "No space left on device")
-    monkeypatch.setattr(checkpoints, "write_atomically", full_disk)
+    monkeypatch.setattr(paths, "write_atomically", full_disk)
     line = _main_fails(evaluate, capsys)
     assert line == (f"main.py: error: cannot write in {tmp_path / 'e'} (No space left on device): free space there, "
                     "or give -e another --output-dir"), line

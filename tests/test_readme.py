@@ -75,6 +75,23 @@ def _depth(node, level=0):
     return deepest
 
 
+def test_no_module_of_the_project_imports_another_in_a_circle():
+    import ast
+    modules = {name[:-3] for name in os.listdir(ROOT) if name.endswith(".py")}
+    imports = {}
+    for module in modules:
+        with open(os.path.join(ROOT, module + ".py")) as f:
+            tree = ast.parse(f.read())
+        imports[module] = {alias.name for node in tree.body if isinstance(node, ast.Import) for alias in node.names} | {
+            node.module for node in tree.body if isinstance(node, ast.ImportFrom)}
+        imports[module] &= modules
+
+    def reaches(start, goal, seen=()):
+        return any(other == goal or (other not in seen and reaches(other, goal, (*seen, other)))
+                   for other in imports[start])
+    assert not [module for module in modules if reaches(module, module)]
+
+
 def test_the_lesson_keeps_its_shape():
     """main.py reads as the tutorial: Steps 1-4 in order, each marked, DistributedSampler in Step 4, nothing of the
     preflight between the steps, main() shallow. (Sizes are aims for a review, not tests: a cap made fixes pack
@@ -86,7 +103,7 @@ def test_the_lesson_keeps_its_shape():
     marks = [(number, line.strip()) for number, line in enumerate(lines, 1) if re.match(r"\s*# Step \d", line)]
     steps = [mark[len("# Step ")] for _, mark in marks]
     assert steps == sorted(steps) and set(steps) == {"1", "2", "3", "4"}, marks  # in order, each marked
-    set_device = next(n for n, line in enumerate(lines, 1) if "torch.cuda.set_device(local_rank)" in line)
+    set_device = next(n for n, line in enumerate(lines, 1) if "torch.cuda.set_device(args.local_rank)" in line)
     loader = next(n for n, line in enumerate(lines, 1) if "train_loader = DataLoader(" in line)
     assert not any("check_only" in line for line in lines[set_device:loader])
     step4 = next(n for n, mark in marks if mark.startswith("# Step 4:"))

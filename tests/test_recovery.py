@@ -13,6 +13,7 @@ import torch
 
 import checkpoints
 import recovery
+import stops
 from conftest import ROOT, SLOW_ARGS, TRAIN_ARGS, free_port, run
 
 PY = sys.executable
@@ -205,7 +206,6 @@ def test_bad_checkpoints_get_one_clear_line_and_auto_falls_back(data24, straight
     checkpoint = torch.load(tmp_path / "good.pth", weights_only=True)  # as if trained on 21 classes
     checkpoint["model"]["classifier.weight"] = torch.zeros(21, 256, 1, 1)
     checkpoint["args"].pop("model")
-    del checkpoint["digest"]  # changed on purpose
     torch.save(checkpoint, tmp_path / "other.pth")
     result = _fails_in_process(common + ["-e", "--resume", str(tmp_path / "other.pth")], capfd)
     assert "does not fit" in result and "classifier.weight (21, 256, 1, 1) vs (19, 256, 1, 1)" in result
@@ -387,7 +387,6 @@ def test_a_resumed_epoch_uses_the_persistent_workers_and_no_others(data24, strai
     os.makedirs(out)
     checkpoint = _checkpoint(straight, "checkpoint.prev.pth")  # epoch 0 done, by 2 processes of 2 images
     checkpoint["step"], checkpoint["world_size"], checkpoint["batch_size"] = 2, 1, 2  # as if one stopped at step 2
-    del checkpoint["digest"]  # changed on purpose
     torch.save(checkpoint, os.path.join(out, "checkpoint.pth"))
     process = _start([PY, "main.py", "--data", data24, "--output-dir", out, *SLOW_ARGS, "-j", "2", "--epochs", "3",
                       "--resume", "auto"], {})
@@ -410,8 +409,9 @@ def test_the_previous_checkpoint_keeps_its_folder_name(tmp_path):
     folder.mkdir(parents=True)
     path = str(folder / "checkpoint.pth")
     assert checkpoints.previous_path(path) == str(folder / "checkpoint.prev.pth")
+    import main
     for epoch in (1, 2):
-        checkpoints.save({"epoch": epoch}, path, keep_previous=True)
+        main.save_checkpoint({"epoch": epoch}, path)
     assert torch.load(str(folder / "checkpoint.prev.pth"), weights_only=True)["epoch"] == 1
 
 
@@ -469,7 +469,8 @@ def test_a_checkpoint_in_the_earlier_layout_still_resumes_evaluates_and_predicts
     import main
     import predict
     state = torch.load(os.path.join(trained, "checkpoint.pth"), weights_only=True)
-    old = {key: state[key] for key in LAYOUT_2026_11} | {"args": dict(ARGS_2026_11)}
+    old = {key: state[key] if key in state else state["args"][key] for key in LAYOUT_2026_11} | {
+        "args": dict(ARGS_2026_11)}  # (batch_size now lives in args alone)
     out = str(tmp_path / "out")
     os.makedirs(out)
     torch.save(old, os.path.join(out, "checkpoint.pth"))
@@ -490,22 +491,22 @@ def test_a_checkpoint_in_the_earlier_layout_still_resumes_evaluates_and_predicts
 def test_the_stop_vote_is_read_one_step_late_and_never_lets_a_nan_be_saved():
     cpu, fine, nan = torch.device("cpu"), torch.tensor(0.5), torch.tensor(float("nan"))
     try:
-        vote = recovery.StopVote(cpu)
+        vote = stops.StopVote(cpu)
         assert [vote.cast(fine), vote.cast(fine)] == [None, None]
-        recovery._state.signal = signal.SIGTERM  # arrives during the third step
+        stops._state.signal = signal.SIGTERM  # arrives during the third step
         assert vote.cast(fine) is None  # the second step's vote: nothing then
         assert vote.cast(fine) == "signal"  # the third's, read at the fourth: every rank stops there, saving it
-        vote = recovery.StopVote(cpu)
+        vote = stops.StopVote(cpu)
         vote.cast(fine)
         assert vote.cast(nan) == "nonfinite"  # ... but the step the stop is read at is voted on too: a NaN is not saved
-        vote = recovery.StopVote(cpu)
+        vote = stops.StopVote(cpu)
         vote.cast(fine)
         assert vote.cast(fine) == "signal" and vote.cast(nan) is None  # (the stop was read before this step)
-        recovery._state.signal = None
-        vote = recovery.StopVote(cpu)
+        stops._state.signal = None
+        vote = stops.StopVote(cpu)
         assert vote.cast(fine) is None and vote.cast(nan) is None and vote.result() == "nonfinite"  # the last step
     finally:
-        recovery._state.signal = None
+        stops._state.signal = None
 
 
 def test_a_stop_in_the_middle_of_an_accumulation_finishes_its_step_and_resumes_bitwise(data24, tmp_path,
@@ -525,14 +526,14 @@ def test_a_stop_in_the_middle_of_an_accumulation_finishes_its_step_and_resumes_b
         if self.crop_size is not None:  # a training read
             reads.append(index)
             if len(reads) == 7:  # the first image of step 1's second batch
-                recovery._on_signal(signal.SIGTERM, None)
+                stops._on_signal(signal.SIGTERM, None)
         return read(self, index)
     monkeypatch.setattr(dataset.SegmentationFiles, "__getitem__", signal_between_two_batches)
     main.main(main.get_args_parser().parse_args(common + ["--output-dir", out]))
     monkeypatch.setattr(dataset.SegmentationFiles, "__getitem__", read)
     said = capfd.readouterr().out
     assert "stopped by signal 15 at epoch 0 step 3/6" in said, said  # step 1 finished, step 2 ran, then all stopped
-    assert _checkpoint(out)["step"] == 3 and _checkpoint(out)["accum_steps"] == 2
+    assert _checkpoint(out)["step"] == 3 and _checkpoint(out)["args"]["accum_steps"] == 2
     shutil.copytree(out, other)
     main.main(main.get_args_parser().parse_args(common + ["--output-dir", out, "--resume", "auto"]))
     _assert_same_weights(straight, out)

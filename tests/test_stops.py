@@ -13,7 +13,7 @@ import torch
 import checkpoints
 import dataset
 import main
-import recovery
+import stops
 from conftest import ROOT, TRAIN_ARGS, free_port, processes_mentioning
 
 CPU_ENV = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
@@ -32,7 +32,7 @@ def _signal_on_a_read(monkeypatch, evaluation, at=1):
         if (self.crop_size is None) == evaluation:
             reads.append(index)
             if len(reads) == at:
-                recovery._on_signal(signal.SIGTERM, None)
+                stops._on_signal(signal.SIGTERM, None)
         return read(self, index)
     monkeypatch.setattr(dataset.SegmentationFiles, "__getitem__", read_and_signal)
     return lambda: monkeypatch.setattr(dataset.SegmentationFiles, "__getitem__", read)
@@ -57,20 +57,33 @@ def test_a_stop_during_the_evaluation_and_during_the_last_ones(tiny_data, tmp_pa
     assert "nothing to train" in capsys.readouterr().out
 
 
+def test_a_stop_before_training_began_ends_at_once_and_writes_nothing(tiny_data, tmp_path, monkeypatch, capsys):
+    check = dataset.SegmentationFiles.check_files
+
+    def signal_while_the_data_is_checked(self, *args, **kwargs):  # a Ctrl-C during a long preflight
+        stops._on_signal(signal.SIGINT, None)
+        return check(self, *args, **kwargs)
+    monkeypatch.setattr(dataset.SegmentationFiles, "check_files", signal_while_the_data_is_checked)
+    out = tmp_path / "out"
+    _train(["--data", tiny_data, "--output-dir", str(out), *TRAIN_ARGS, "--epochs", "1"])
+    said = capsys.readouterr().out
+    assert "stopped by signal 2 before training began: nothing was trained" in said and not out.exists(), said
+
+
 def test_a_stop_while_a_checkpoint_is_written_keeps_it_whole(tiny_data, tmp_path, monkeypatch, capsys):
     out = str(tmp_path / "out")
     common = ["--data", tiny_data, "--output-dir", out, *TRAIN_ARGS, "--epochs", "2", "--resume", "auto"]
     save = torch.save
 
     def signal_in_the_middle(state, f, *args, **kwargs):
-        if recovery._state.signal is None:  # one signal, as the first file is written (a second would stop at once)
-            recovery._on_signal(signal.SIGTERM, None)
+        if stops._state.signal is None:  # one signal, as the first file is written (a second would stop at once)
+            stops._on_signal(signal.SIGTERM, None)
         return save(state, f, *args, **kwargs)
     monkeypatch.setattr(torch, "save", signal_in_the_middle)
     _train(common)
     monkeypatch.setattr(torch, "save", save)
     assert "stopped by signal after an epoch" in capsys.readouterr().out
-    assert checkpoints.read("--resume", os.path.join(out, "checkpoint.pth"))["epoch"] == 1  # whole, its digest good
+    assert checkpoints.read("--resume", os.path.join(out, "checkpoint.pth"))["epoch"] == 1  # whole: its CRC-32s good
     _train(common)
     said = capsys.readouterr().out
     assert "at the start of epoch 1" in said and "done:" in said, said

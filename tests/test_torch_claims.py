@@ -142,6 +142,22 @@ def _ddp_claims(rank, world_size, tmp):
     with torch.no_grad():
         seen["first_no_grad_forward_broadcasts"] = broadcasts(lambda: ddp(x))
         seen["second_no_grad_forward_broadcasts"] = broadcasts(lambda: ddp(x))
+    ddp(x).sum().backward()  # a training forward again; then one in eval mode, gradients enabled
+    model.eval()
+    seen["eval_forward_after_training_broadcasts"] = broadcasts(lambda: ddp(x))
+    model.train()
+
+    # SyncBatchNorm under no_sync: DDP (made with a BatchNorm: it refuses SyncBatchNorm on the CPU) given a
+    # SyncBatchNorm afterwards. Its forward decides to gather the batch statistics over the group inside no_sync
+    # as well, and then refuses the CPU tensor it would gather: on a GPU it would communicate.
+    holder = DDP(torch.nn.Sequential(torch.nn.BatchNorm2d(2)))
+    holder.module[0] = torch.nn.SyncBatchNorm(2)
+    with holder.no_sync():
+        try:
+            holder(torch.randn(2, 2, 3, 3))
+            seen["sync_batchnorm_gathers_under_no_sync"] = "did not gather"
+        except ValueError as error:
+            seen["sync_batchnorm_gathers_under_no_sync"] = str(error)
 
     # no_sync: the gradient stays this rank's own until a backward outside it all-reduces the sum.
     torch.manual_seed(0)
@@ -243,6 +259,40 @@ def test_without_gradients_ddp_broadcasts_buffers_at_the_first_forward_only(ddp_
     assert ddp_seen["first_no_grad_forward_broadcasts"] and not ddp_seen["second_no_grad_forward_broadcasts"]
 
 
+def test_ddp_broadcasts_buffers_at_any_forward_after_a_training_one_in_eval_mode_too(ddp_seen):
+    assert ddp_seen["eval_forward_after_training_broadcasts"]  # so evaluate() takes the unwrapped model
+
+
+def test_sync_batchnorm_gathers_its_statistics_in_every_training_forward_no_sync_or_not(ddp_seen):
+    # With --accum-steps N, each micro-batch's forward communicates, and normalises over -b x processes images.
+    assert ddp_seen["sync_batchnorm_gathers_under_no_sync"].startswith("SyncBatchNorm expected input tensor to be on GPU")
+
+
+def test_accumulation_gives_the_whole_batchs_gradient_except_through_batchnorm():
+    """Two batches of 2 accumulated (each loss halved) against one batch of 4: the same gradient when BatchNorm uses
+    its running statistics (eval mode), another in training mode, where each forward normalises over its own 2."""
+    from models import build_model
+    torch.manual_seed(0)
+    model = build_model("deeplabv3plus_mobilenet_v3_large", 5)
+    images, labels = torch.randn(4, 3, 32, 32), torch.randint(0, 5, (4, 32, 32))
+
+    def gradient(train, accumulate):
+        model.train(train)
+        model.zero_grad()
+        for part in ((slice(0, 2), slice(2, 4)) if accumulate else (slice(0, 4),)):
+            (F.cross_entropy(model(images[part]), labels[part]) / (2 if accumulate else 1)).backward()
+        return torch.cat([p.grad.flatten() for p in model.parameters()])
+
+    def difference(train):
+        state = {k: v.clone() for k, v in model.state_dict().items()}  # training mode moves the running statistics
+        whole = gradient(train, False)
+        model.load_state_dict(state)
+        parts = gradient(train, True)
+        model.load_state_dict(state)
+        return ((whole - parts).norm() / whole.norm()).item()
+    assert difference(train=False) < 1e-5 and difference(train=True) > 1e-2
+
+
 def test_after_a_forward_under_no_sync_the_next_forward_broadcasts_no_buffers(ddp_seen):
     # so with --accum-steps N the buffers are broadcast once a step, at its first batch
     assert ddp_seen["broadcast_in_no_sync_after_a_synced_step"]
@@ -340,6 +390,23 @@ def test_out_of_memory_is_a_runtime_error_of_its_own_type():
     assert issubclass(torch.OutOfMemoryError, RuntimeError) and torch.OutOfMemoryError is torch.cuda.OutOfMemoryError
 
 
+def test_the_cpus_allocator_says_out_of_memory_in_a_plain_runtime_error():
+    with pytest.raises(RuntimeError, match="DefaultCPUAllocator: can't allocate memory") as raised:
+        torch.empty(2**62, dtype=torch.uint8)
+    assert not isinstance(raised.value, torch.OutOfMemoryError)  # recovery.is_cpu_out_of_memory looks for its words
+
+
+def test_manual_seed_takes_up_to_2_64_minus_1_and_the_sampler_adds_the_epoch():
+    torch.manual_seed(2**64 - 1)
+    with pytest.raises(ValueError, match="Overflow"):
+        torch.manual_seed(2**64)
+    sampler = DistributedSampler(range(4), num_replicas=1, rank=0, shuffle=True, seed=2**64 - 1)
+    list(sampler)
+    sampler.set_epoch(1)  # seed + epoch = 2**64: --seed is capped at 2**64 - --epochs
+    with pytest.raises(ValueError, match="Overflow"):
+        list(sampler)
+
+
 # --- torch.load, torch.compile ------------------------------------------------------------------------------------
 def test_torch_load_weights_only_reads_plain_data_and_refuses_objects(tmp_path):
     import argparse
@@ -357,7 +424,57 @@ def test_torch_load_does_not_notice_bytes_changed_inside_a_tensor(tmp_path):
     at = data.index(b"\x00" * 4096, 2048)  # inside the tensor's zeros
     data[at:at + 4096] = b"\x01" * 4096
     path.write_bytes(bytes(data))
-    assert torch.load(path, weights_only=True)["w"].abs().sum() > 0  # no error: a checkpoint needs its own digest
+    assert torch.load(path, weights_only=True)["w"].abs().sum() > 0  # no error: checkpoints.verify checks the CRC-32s
+
+
+def test_torch_save_writes_a_crc_32_for_each_record_and_one_attribute_bit_escapes_it(tmp_path):
+    import zipfile
+    path = tmp_path / "c.pth"
+    torch.save({"w": torch.arange(1000.0)}, path)
+    with zipfile.ZipFile(path) as archive:
+        assert all(info.CRC for info in archive.infolist()) and archive.testzip() is None
+        record = next(info for info in archive.infolist() if info.filename.endswith("data/0"))
+    # The record's "folder" bit (external attributes, in the central directory): no CRC-32 covers it, zipfile's
+    # testzip passes, and torch's reader reads other bytes for the tensor without an error.
+    data = bytearray(path.read_bytes())
+    entry = next(at for at in range(len(data)) if data[at:at + 4] == b"PK\x01\x02"
+                 and data[at + 46:at + 46 + len(record.filename)] == record.filename.encode())
+    data[entry + 38] |= 0x10
+    path.write_bytes(bytes(data))
+    with zipfile.ZipFile(path) as archive:
+        assert archive.testzip() is None
+    assert not torch.equal(torch.load(path, weights_only=True)["w"], torch.arange(1000.0))
+
+
+def test_a_dataloader_worker_ends_quietly_on_its_parents_sigterm_and_dies_of_anyone_elses():
+    """torch's own handler in each worker: SIGTERM from the parent -> exit 0; from another process (a scheduler
+    signalling the whole job) -> killed by the signal, which the parent then raises mid-iteration (stops.py)."""
+    import signal
+    import time
+
+    class Slow(torch.utils.data.Dataset):
+        def __len__(self):
+            return 100
+
+        def __getitem__(self, index):
+            time.sleep(0.05)
+            return index
+    for sender in ("parent", "another process"):
+        batches = iter(DataLoader(Slow(), num_workers=1, multiprocessing_context="fork"))
+        next(batches)
+        worker = batches._workers[0]
+        if sender == "parent":
+            os.kill(worker.pid, signal.SIGTERM)
+            worker.join(timeout=10)
+            assert worker.exitcode == 0
+        else:  # the parent's SIGCHLD handler (or its next fetch) raises, wherever the parent is
+            with pytest.raises(RuntimeError, match="DataLoader worker .* (killed by signal|exited unexpectedly)"):
+                subprocess.run(["kill", "-TERM", str(worker.pid)], check=True)
+                worker.join(timeout=10)
+                for _ in range(20):
+                    next(batches)
+            assert worker.exitcode == -signal.SIGTERM
+        del batches
 
 
 def test_torch_compile_splits_a_ddp_models_graph_at_its_buckets_by_default():

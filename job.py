@@ -1,0 +1,134 @@
+"""This process's place in the job, read once from what started it (torchrun, torch.distributed.launch, run.sh, or
+nothing), and who speaks: the harness's one source for both. main.py's lesson reads what it needs itself.
+
+    job.read_environment("main.py")   # at the start of a run (recovery.guard): every variable checked, once
+    job.get_rank(), job.get_world_size(), job.is_main_process()   # the process group's, or before it the launcher's
+    job.env().restarts, .run_id, .under_run_sh, .stop_file         # what torchrun and run.sh told this process
+    job.log("...")                    # rank 0 alone prints (with --check-only: nothing but mistakes)
+    job.named("--output-dir")         # a flag as the user typed it: OUTPUT_DIR under run.sh
+    job.checkpoint_path()             # OUTPUT_DIR/checkpoint.pth
+    job.resume_advice()               # how to carry on a stopped run, in the user's own terms
+    job.global_batch(args)            # -b x processes x --accum-steps
+"""
+import os
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from errors import fail
+
+
+@dataclass(frozen=True)
+class Environment:
+    """What the launcher and run.sh set, checked. distributed: RANK and WORLD_SIZE are set (a launcher started this
+    process: it joins a process group, even as the only one)."""
+    program: str = "main.py"
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    distributed: bool = False
+    master: str = "?:?"                 # MASTER_ADDR:MASTER_PORT
+    restarts: int = 0                   # TORCHELASTIC_RESTART_COUNT: torchrun's restarts after a failure
+    run_id: str | None = None           # TORCHELASTIC_RUN_ID: one torchrun job (all its restarts)
+    under_run_sh: bool = False          # DEEPLAB_RUN_SH=1: the user typed ./run.sh and its variables
+    stop_file: str | None = None        # DEEPLAB_STOP_FILE: where run.sh writes the first stop signal's name
+
+
+_env = Environment()
+_command = {"resume": None, "overwrite": None, "quiet": False, "output_dir": "output"}  # what this run's command says
+
+
+def _whole_number(name, default, low=0):
+    text = os.environ.get(name)
+    if text is None:
+        return default
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or value < low:
+        fail(f"the environment variable {name}={text!r} is not a whole number of at least {low}: unset it, or set "
+             "it as a launcher does (torchrun sets RANK, WORLD_SIZE and LOCAL_RANK itself)")
+    return value
+
+
+def read_environment(program="main.py"):
+    """Read and check every variable the harness uses, once for this run. A launcher's variables that cannot be a
+    process group (RANK without WORLD_SIZE, RANK past WORLD_SIZE, no MASTER_ADDR) end in one line."""
+    global _env
+    _env = Environment(program=program)  # what is known so far, for the line a bad variable ends in
+    distributed = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    rank, world_size = _whole_number("RANK", 0), _whole_number("WORLD_SIZE", 1, low=1)
+    if ("RANK" in os.environ) != ("WORLD_SIZE" in os.environ):
+        given, missing = ("RANK", "WORLD_SIZE") if "RANK" in os.environ else ("WORLD_SIZE", "RANK")
+        fail(f"{given} is set but {missing} is not: a process group needs both (or neither, for one plain process)")
+    if rank >= world_size:
+        fail(f"RANK={rank} but WORLD_SIZE={world_size}: ranks are numbered 0 to WORLD_SIZE-1")
+    if distributed and not (os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT")):
+        fail("RANK and WORLD_SIZE are set but MASTER_ADDR or MASTER_PORT is not: set both to where rank 0 listens, "
+             "or start the program with torchrun, which sets them")
+    _env = Environment(
+        program=program, rank=rank, world_size=world_size, local_rank=_whole_number("LOCAL_RANK", 0),
+        distributed=distributed, master=f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}",
+        restarts=_whole_number("TORCHELASTIC_RESTART_COUNT", 0), run_id=os.environ.get("TORCHELASTIC_RUN_ID"),
+        under_run_sh=os.environ.get("DEEPLAB_RUN_SH") == "1", stop_file=os.environ.get("DEEPLAB_STOP_FILE") or None)
+    _command.update(resume=None, overwrite=None, quiet=False, output_dir="output")
+    return _env
+
+
+def env():
+    return _env
+
+
+def get_rank():
+    """The global rank: the process group's, or before it exists the launcher's RANK (0 without a launcher)."""
+    return dist.get_rank() if dist.is_initialized() else _env.rank
+
+
+def get_world_size():
+    return dist.get_world_size() if dist.is_initialized() else _env.world_size
+
+
+def is_main_process():
+    """Global rank 0, not local rank 0: with several nodes that would be one per node."""
+    return get_rank() == 0
+
+
+def log(*message):
+    if is_main_process() and not _command["quiet"]:
+        print(*message, flush=True)
+
+
+def remember_command(args, quiet=False):
+    """What this run's command holds that advice must not repeat (a --resume PATH, --overwrite), where it writes,
+    and whether it speaks (--check-only reports mistakes only)."""
+    _command.update(overwrite="--overwrite" if getattr(args, "overwrite", False) else None, quiet=quiet,
+                    resume=f"--resume {args.resume}" if getattr(args, "resume", "") not in ("", "auto") else None,
+                    output_dir=getattr(args, "output_dir", "output"))
+
+
+def checkpoint_path(output_dir=None):
+    """The run's checkpoint, OUTPUT_DIR/checkpoint.pth: the one place the harness makes its name."""
+    return os.path.join(output_dir or _command["output_dir"], "checkpoint.pth")
+
+
+def named(flag):
+    """A flag as the user set it, for advice: under run.sh the user typed the variables OUTPUT_DIR and DATA, not the
+    flags run.sh made of them."""
+    return {"--output-dir": "OUTPUT_DIR", "--data": "DATA"}.get(flag, flag) if _env.under_run_sh else flag
+
+
+def resume_advice():
+    """How to carry on a stopped run, as the user started it: without --overwrite (it would put the run aside)
+    and without a --resume PATH (it would start from that file again, not from where the run stopped)."""
+    resume, overwrite = _command["resume"], _command["overwrite"]
+    if _env.under_run_sh:
+        drop = " and ".join(flag for flag in (resume, overwrite) if flag)
+        return "run the same ./run.sh line again" + (f" without {drop}" if drop else "")
+    return ("run the same command with --resume auto" + (f" in place of {resume}" if resume else "")
+            + (" and without --overwrite" if overwrite else ""))
+
+
+def global_batch(args, world_size=None):
+    """Images per optimizer step over every process: -b x processes x --accum-steps."""
+    return args.batch_size * (world_size or get_world_size()) * args.accum_steps

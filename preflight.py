@@ -1,0 +1,150 @@
+"""Everything a user can get wrong, found in this process before any work, and only then the run's folders made.
+run.sh runs main.py with --check-only first, which ends after these checks: a mistake is said once, not by every
+worker and again after each of torchrun's restarts. main.py calls it twice, before Step 1:
+
+    args.resume = preflight.start(args)     # the flags; --output-dir held; the checkpoint to start from, read
+    preflight.check(args, train_set, val_set, checkpoint)   # the data and the model; --check-only ends here;
+                                            # rank 0 makes the folders and continues the run's files there
+"""
+import torch
+
+import checkpoints
+import checks
+import inference
+import job
+import paths
+import records
+import stops
+from dataset import IGNORE_INDEX
+from errors import BadInput, Finished, fail
+from job import log, named
+from models import MODEL_NAMES
+
+_run = {"start": checkpoints.Start()}  # start()'s decision, for check()
+
+
+def add_arguments(parser):
+    """The flags of what the harness adds to main.py's lesson."""
+    parser.add_argument("--weights", metavar="PATH", help="start from a trained model (fine-tuning); a classifier for "
+                        "other classes starts afresh (--pretrained-backbone is then not used)")
+    parser.add_argument("--overwrite", action="store_true", help="train afresh into an --output-dir that holds "
+                        "another run, which is moved into OUTPUT_DIR/replaced-DATE/ (nothing is deleted)")
+    parser.add_argument("--tensorboard", action="store_true", help="curves and pictures in OUTPUT_DIR/tensorboard")
+    parser.add_argument("--check-only", type=int, metavar="WORLD_SIZE", help="check flags, data and checkpoints "
+                        "for WORLD_SIZE processes, then exit (run.sh does, before torchrun)")
+    inference.add_arguments(parser)  # -e with multi-scale, flip, sliding window: --eval-scales, ... (inference.py)
+    resume = parser._option_string_actions["--resume"]  # the lesson's flag; the harness adds 'auto' to it
+    resume.metavar = "PATH|auto"
+    resume.help += "; 'auto': OUTPUT_DIR/checkpoint.pth if it exists"
+
+
+def start(args):
+    """The flags, every number and what they say together; --output-dir held for this run (one folder, one run);
+    the checkpoint the run starts from decided and read (checkpoints.decide_start). With --weights, a fresh start
+    takes the model it holds unless --model says otherwise, and fetches no pretrained backbone: it holds every
+    layer. -> the checkpoint's path for --resume ('' for a fresh start)."""
+    job.remember_command(args, quiet=bool(args.check_only))
+    checks.check_numbers(args, checks.MAIN)
+    checks.check_args(args, torch.cuda.is_available())
+    inference.read_mode(args, training=not args.evaluate)  # a mistake in --eval-* found before any work
+    paths.hold_output(args)  # no other run writes into --output-dir while this one does (paths.py)
+    start = checkpoints.decide_start(args)
+    _run["start"] = start
+    if args.weights and not start.path:
+        saved = checkpoints.saved_args(checkpoints.read("--weights", args.weights))
+        if args.model is None and saved.get("model") in MODEL_NAMES:
+            args.model = saved["model"]
+        if args.output_stride is None and saved.get("output_stride") in (8, 16):
+            args.output_stride = saved["output_stride"]
+    if args.weights:
+        args.pretrained_backbone = "none"
+    paths.check_no_run_replaced(args, start)  # another run in --output-dir is continued, or moved aside
+    return start.path
+
+
+def check(args, train_set, val_set, checkpoint):
+    """The data and the model, once main.py has opened and built them (on every rank, before the process group):
+    the checks of check_data, the crop against the model's output stride. --check-only ends here (exit 0, nothing
+    written). Then rank 0, with every check passed, makes the output folders (before init_process_group, which the
+    other ranks wait in), begins the run's files at the checkpoint's position, and opens TensorBoard's writer."""
+    crop_size = args.crop_size * 2 if len(args.crop_size) == 1 else args.crop_size
+    checks.check_model_fits(args, crop_size)  # --model is known now: the checkpoint's, unless given
+    world_size = args.check_only or job.get_world_size()
+    check_data(args, crop_size, train_set, val_set, world_size)
+    if args.check_only:
+        raise Finished
+    start = _run["start"]
+    resuming = checkpoint and not args.evaluate
+    epoch, step = (checkpoint["epoch"], checkpoint["step"]) if resuming else (args.start_epoch, 0)
+    with stops.deferred():  # a stop while rank 0 moves an old run aside or rewinds one: after, not half-way
+        if job.is_main_process():
+            paths.make_run_outputs(args, start)
+            if not args.evaluate:
+                checkpoints.continue_run_at(args, start, epoch, step)  # metrics from here; a rewind keeps what it drops
+    steps_per_epoch = len(train_set) // job.global_batch(args, world_size)
+    records.open_writer(args, epoch * steps_per_epoch + step + 1)
+    stops.begin()
+    if job.env().restarts and not args.evaluate:
+        log(f"note: restart {job.env().restarts} by torchrun after a failure: the run goes on from "
+            f"{args.resume or 'its start (no checkpoint was written before it)'}")
+
+
+def check_data(args, crop_size, train_set, val_set, world_size):
+    """The train and val sets, checked the same way on every rank before any training time is spent: every file's
+    header read, every val label decoded (and every mask of your own data); a val set with no labelled pixel
+    refused; classes that no training mask shows, masks that are mostly ignore, and crops larger than every
+    image said; the processes and the global batch against the images."""
+    try:
+        train_counts, mostly_ignored = train_set.check_files()
+        val_counts, _ = val_set.check_files(decode_labels=True)  # found now, not after the first epoch
+    except BadInput as error:
+        fail(error)
+    names, data = train_set.classes["names"], named("--data")
+    if not val_counts[:len(names)].any():
+        fail(f"the val labels of {data} {args.data} hold no pixel of any class, only ignored ones: mIoU would be "
+             "undefined; label the val images (or check ignore_index in classes.json)")
+    if train_counts is not None and not args.evaluate:  # your own data: every mask decoded
+        absent = [name for index, name in enumerate(names) if not train_counts[index]]
+        if absent:
+            ignored = train_counts[IGNORE_INDEX] > 0  # (the masks' ignore_index, mapped to 255)
+            log(f"warning: no training mask of {args.data} has a pixel of {', '.join(map(repr, absent))}: the model "
+                "cannot learn it; add images that show it, or remove it from classes.json (and renumber the masks)"
+                + (f". If the masks draw it with ignore_index {train_set.ignore_value} (masks saved as 0 and 255, "
+                   "say), save it as its class index instead" if ignored else ""))
+        if mostly_ignored:
+            log(f"warning: {len(mostly_ignored)} of {len(train_set)} training masks are more than half "
+                f"ignore_index {train_set.ignore_value} (e.g. {mostly_ignored[0]}), which the loss skips: if that "
+                "value marks a class (masks saved as 0 and 255), save them with its class index instead")
+    largest = train_set.largest  # (height, width), from the headers check_files read
+    reach = [side * args.scale_range[1] for side in largest]
+    if not args.evaluate and (crop_size[0] > reach[0] or crop_size[1] > reach[1]):
+        fits = f"{int(min(crop_size[0], reach[0]))} {int(min(crop_size[1], reach[1]))}"
+        scaled = f", scaled up to {args.scale_range[1]:g}x" if args.scale_range[1] != 1 else ""
+        log(f"warning: --crop-size {' '.join(map(str, args.crop_size))} is larger than every training image of "
+            f"{data} (at most {largest[1]}x{largest[0]}{scaled}): the crops are mostly padding, which the loss "
+            f"ignores, and a step costs what the crop does; --crop-size {fits} trains on image alone")
+    in_all = " in all (NPROC x NNODES)" if job.env().under_run_sh else ""
+    if world_size > len(val_set):
+        fail(f"{world_size} processes but only {len(val_set)} val images: use at most {len(val_set)} processes{in_all}")
+    if not args.evaluate:
+        check_global_batch(args, len(train_set), world_size)
+
+
+def check_global_batch(args, images, world_size):
+    """At least one optimizer step an epoch: the global batch (-b x processes x --accum-steps) no larger than the
+    training set. The advice is one that works: a smaller -b, else fewer --accum-steps, else fewer processes."""
+    accum, global_batch = args.accum_steps, job.global_batch(args, world_size)
+    if global_batch <= images:
+        return
+    run_sh = job.env().under_run_sh  # run.sh chooses -b and --accum-steps itself: the user sets them after ./run.sh
+    what = f"--batch-size {args.batch_size} x {world_size} process(es)" + (f" x --accum-steps {accum}" if accum > 1
+                                                                          else "")
+    if images // (world_size * accum) >= 1:
+        advice = f"{'./run.sh -b' if run_sh else '--batch-size'} {images // (world_size * accum)} or less"
+    elif images // world_size >= 1:
+        advice = f"{'./run.sh ' if run_sh else ''}-b 1 --accum-steps {images // world_size} or less"
+    else:
+        advice = (f"at most {images} process(es){' in all (NPROC x NNODES)' if run_sh else ''}, or more training "
+                  "images")
+    fail(f"{what} makes a global batch of {global_batch}, more than the {images} training images: give "
+         f"{advice}")

@@ -1,0 +1,38 @@
+"""main.py's lesson lifts whole: with its harness taken out (tests/lesson.py), it runs on torch, models.py and
+dataset.py alone, in a folder that holds nothing else of the project."""
+import ast
+import os
+import shutil
+import sys
+
+import torch
+
+import lesson
+from conftest import ROOT, TRAIN_ARGS, run
+
+
+def test_without_its_harness_main_py_trains_evaluates_saves_and_resumes_on_two_processes(tiny_data, tmp_path):
+    with open(os.path.join(ROOT, "main.py")) as f:
+        stripped, taken = lesson.strip(f.read())
+    # Taking the harness out took no statement of the lesson with it (no lesson line needs a value of the harness).
+    assert taken and not [(first, last) for first, last, indirect in taken if indirect], taken
+    imported = {node.module if isinstance(node, ast.ImportFrom) else alias.name
+                for node in ast.parse(stripped).body if isinstance(node, (ast.Import, ast.ImportFrom))
+                for alias in node.names}
+    project = {os.path.splitext(name)[0] for name in os.listdir(ROOT) if name.endswith(".py")}
+    assert imported & project == {"models", "dataset"}, imported & project
+    assert "harness" not in stripped.lower()  # no word of it left: every comment is about what remains
+    folder = tmp_path / "lesson"
+    folder.mkdir()
+    (folder / "main.py").write_text(stripped)
+    for name in ("models.py", "dataset.py", "images.py"):  # the tutorial's two imports, and dataset's own reader
+        shutil.copy(os.path.join(ROOT, name), folder / name)
+    out = str(tmp_path / "out")
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "main.py",
+              "--data", tiny_data, "--output-dir", out, *TRAIN_ARGS]
+    said = run(launch + ["--epochs", "1"], cwd=str(folder))
+    assert "2 process(es), backend gloo" in said and "epoch 0: train loss" in said and "mIoU" in said, said
+    assert torch.load(os.path.join(out, "checkpoint.pth"), weights_only=True)["epoch"] == 1
+    said = run(launch + ["--epochs", "2", "--resume", os.path.join(out, "checkpoint.pth")], cwd=str(folder))
+    assert "epochs 1..1" in said and "epoch 1: train loss" in said and "epoch 0 step" not in said, said
+    assert torch.load(os.path.join(out, "checkpoint.pth"), weights_only=True)["epoch"] == 2
