@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 import job
 import paths
+import stops
 from dataset import CLASS_COLORS, CLASS_NAMES
 from errors import UserError, fail, first_line
 from job import log, named
@@ -45,6 +46,7 @@ class Start:
 
 # --- reading ------------------------------------------------------------------------------------------------------
 _unchecked = set()  # checkpoints without CRC-32s, said once each
+_weights = {}  # --weights' checkpoint as the preflight read it, for load_weights: read once
 
 
 def verify(flag, path):
@@ -83,10 +85,11 @@ def read(flag, path):
     """The checkpoint at path, given to `flag`, verified and loaded, as a dict with at least "model"; else one line
     that says what the file is instead. A bare state dict (torch.save(model.state_dict())) is taken as {"model":
     it}, and one saved from the DDP-wrapped model (every key "module.…") without that prefix. One without CRC-32s is
-    read, and that is said once."""
+    read, and that is said once. A zip file's tensors are mapped, not read (mmap): what is checked of them is their
+    shapes, and the bytes are read once, where they are used (main.py's own torch.load, a model's load_state_dict)."""
     checked = verify(flag, path)
     try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
     except Exception as error:
         # torch's own advice for what weights_only refuses (load it with weights_only=False) is not ours to give.
         if "Unsupported global" in str(error):  # a pickle of Python objects: code, not data
@@ -113,6 +116,11 @@ def normalized(checkpoint, flag="--resume", path=""):
     if all(key.startswith("module.") for key in weights):  # torch.save(ddp_model.state_dict())
         checkpoint = {**checkpoint, "model": {key[len("module."):]: value for key, value in weights.items()}}
         weights = checkpoint["model"]
+    if any(key.startswith(("classifier.0.convs.", "aux_classifier.")) for key in weights):
+        fail(f"{flag} {path} holds torchvision's own DeepLab (torchvision.models.segmentation: keys such as "
+             f"{next(k for k in weights if k.startswith(('classifier.0', 'aux_classifier')))}), not this project's, "
+             "whose head is built and named otherwise: train this project's from an ImageNet backbone "
+             "(--pretrained-backbone) instead")
     if not any(key.startswith("backbone.") for key in weights):  # every model of models.py has a backbone
         if any(key.startswith(("fc.", "features.", "conv1.")) for key in weights):  # torchvision's classifiers
             fail(f"{flag} {path} holds the weights of a classification network (keys such as {next(iter(weights))}), "
@@ -141,17 +149,33 @@ def _check_model_name(checkpoint, flag, path, model_name):
              f"checkpoint's own is the default) or pass --model {saved}")
 
 
-def check_fits(weights, flag, path, model_name, num_classes, output_stride):
-    """Weights that must fit the model exactly, compared with one built on the meta device (no memory, no time);
-    else one line that says how they differ."""
+def _misfits(weights, model_name, num_classes, output_stride):
+    """How weights differ from the model's own, built on the meta device (no memory, no time): [wrong shapes],
+    missing keys, unexpected keys."""
     with torch.device("meta"):
         own = build_model(model_name, num_classes, output_stride).state_dict()
     wrong = [f"{k} {tuple(v.shape)} vs {tuple(own[k].shape)}" for k, v in weights.items()
              if k in own and v.shape != own[k].shape]
-    missing, unexpected = own.keys() - weights.keys(), weights.keys() - own.keys()
+    return wrong, own.keys() - weights.keys(), weights.keys() - own.keys()
+
+
+def fitting_model(weights):
+    """The --model that weights fit (its classes counted from the classifier), or None."""
+    classifier = weights.get("classifier.weight")
+    if classifier is None:
+        return None
+    return next((name for name in MODEL_NAMES if not any(_misfits(weights, name, classifier.shape[0], 16))), None)
+
+
+def check_fits(weights, flag, path, model_name, num_classes, output_stride):
+    """Weights that must fit the model exactly; else one line that says how they differ, and which --model they
+    fit when one does (weights alone do not say)."""
+    wrong, missing, unexpected = _misfits(weights, model_name, num_classes, output_stride)
     if wrong or missing or unexpected:
+        other = fitting_model(weights) if missing or unexpected else None
         fail(f"{flag} {path} does not fit {model_name}: {len(wrong)} tensors of another shape (e.g. {wrong[:1]}), "
-             f"{len(missing)} missing, {len(unexpected)} unexpected")
+             f"{len(missing)} missing, {len(unexpected)} unexpected"
+             + (f"; it fits {other}: give --model {other}" if other and other != model_name else ""))
 
 
 # --- the start ----------------------------------------------------------------------------------------------
@@ -164,16 +188,15 @@ def decide_start(args):
     - --resume auto: OUTPUT_DIR/checkpoint.pth, or the one before it when that cannot be read; neither there: a
       fresh start. With --overwrite: a fresh start (run.sh passes --resume auto every time);
     - --resume PATH: that file (with -e: the model to evaluate, restarted or not)."""
+    _weights.clear()  # (a --weights read by an earlier run in this process: not this run's)
     restart = job.env().restarts > 0 and not args.evaluate
     explicit = args.resume not in ("", "auto")
     auto = restart or (args.resume == "auto" and not args.overwrite)
     path = checkpoint = None
     if auto:
-        path = _find_in_run(args.output_dir, args.evaluate, say_none=not (restart and explicit))
+        path, checkpoint = _find_in_run(args.output_dir, args.evaluate, say_none=not (restart and explicit))
     if path is None and explicit:
-        path = args.resume
-    if path:
-        checkpoint = read("--resume", path)
+        path, checkpoint = args.resume, read("--resume", args.resume)
     if checkpoint is not None and not args.evaluate:
         _check_it_can_resume(checkpoint, path, args, auto)
     return Start(path or "", auto)
@@ -185,9 +208,14 @@ def _check_it_can_resume(checkpoint, path, args, auto):
              f"{checkpoint.get('epoch', '?')}); drop --start-epoch")
     missing = [key for key in TRAINING_STATE if key not in checkpoint]
     if missing:
-        fail(f"--resume {path} holds no {', '.join(missing)}: it has weights only (evaluate it with -e, or "
-             f"fine-tune from it with --weights {path}); to continue training, resume a checkpoint.pth that "
-             "main.py wrote")
+        fits = saved_args(checkpoint).get("model") or fitting_model(checkpoint["model"])
+        if fits is None:  # -e and --weights would refuse it too
+            fail(f"--resume {path} holds no {', '.join(missing)}, and its weights fit no model of this project "
+                 f"(--model {', '.join(MODEL_NAMES)}): give a checkpoint.pth that main.py wrote")
+        model = "" if args.model in (None, fits) else f" --model {fits}"
+        fail(f"--resume {path} holds no {', '.join(missing)}: it has weights only ({fits}; evaluate it with "
+             f"-e{model} --resume {path}, or fine-tune from it with{model} --weights {path}); to continue training, "
+             "resume a checkpoint.pth that main.py wrote")
 
 
 def _find_in_run(output_dir, evaluate, say_none=True):
@@ -197,13 +225,13 @@ def _find_in_run(output_dir, evaluate, say_none=True):
     for path in (job.checkpoint_path(output_dir), previous_path(job.checkpoint_path(output_dir))):
         if os.path.isfile(path):
             try:
-                read("--resume auto:", path)
+                checkpoint = read("--resume auto:", path)
             except UserError as error:
                 problems.append(str(error).removeprefix("--resume auto: "))
                 continue
             if problems:
                 log(f"warning: {problems[0]}; using the one before it, {path}")
-            return path
+            return path, checkpoint
     if problems:
         fail(f"--resume auto: {'; '.join(problems)}. Nothing usable to resume from, and these files are kept: "
              "move them aside to start afresh, or give --resume a good checkpoint")
@@ -212,7 +240,7 @@ def _find_in_run(output_dir, evaluate, say_none=True):
              f"or give {'./run.sh -e' if named('--output-dir') == 'OUTPUT_DIR' else '-e'} --resume PATH")
     if say_none:
         log(f"no checkpoint in {output_dir}: starting afresh")
-    return None
+    return None, None
 
 
 def checked(checkpoint, args, classes):
@@ -223,6 +251,9 @@ def checked(checkpoint, args, classes):
     if checkpoint is None:
         return None
     path = args.resume
+    if args.model not in MODEL_NAMES or args.output_stride not in (8, 16):
+        fail(f"--resume {path} says its model is {args.model!r} at output stride {args.output_stride!r}, which this "
+             f"version does not build: give --model (one of {', '.join(MODEL_NAMES)}) and --output-stride (8 or 16)")
     checkpoint = normalized(checkpoint, "--resume", path)
     _check_model_name(checkpoint, "--resume", path, args.model)
     theirs = classes_of(checkpoint)
@@ -244,16 +275,16 @@ def _continued(checkpoint, args):
         log(f"note: --start-epoch {args.start_epoch} is ignored: {path} says where to continue")
     saved = saved_args(checkpoint)
     before = (checkpoint.get("world_size", 1), saved.get("batch_size", checkpoint.get("batch_size", 1)),
-              saved.get("accum_steps", checkpoint.get("accum_steps", 1)))
+              saved.get("accum_steps", checkpoint.get("accum_steps", 1)))  # its global batch, in its layout
     now = (job.get_world_size(), args.batch_size, args.accum_steps)
-    if math.prod(before) != math.prod(now):
+    if math.prod(before) != job.global_batch(args):
         # Another global batch: another number of optimizer steps an epoch. Finish the epoch from the same number
         # of images seen. (The same global batch in another layout, -b x processes x --accum-steps, sees the same
         # images up to here: its steps are the same; only how they are split differs.)
-        checkpoint["step"] = step = step * math.prod(before) // math.prod(now)
+        checkpoint["step"] = step = step * math.prod(before) // job.global_batch(args)
         log(f"note: the checkpoint was trained with a global batch of {math.prod(before)} ({before[0]} process(es) "
-            f"x -b {before[1]} x --accum-steps {before[2]}); this run's is {math.prod(now)} ({now[0]} x {now[1]} x "
-            f"{now[2]}). It continues at the same epoch and learning-rate position, but not bitwise as an "
+            f"x -b {before[1]} x --accum-steps {before[2]}); this run's is {job.global_batch(args)} ({now[0]} x "
+            f"{now[1]} x {now[2]}). It continues at the same epoch and learning-rate position, but not bitwise as an "
             "uninterrupted run would")
     where = f"epoch {epoch} after step {step}" if step else f"the start of epoch {epoch}"
     best = checkpoint["best_miou"]
@@ -282,6 +313,14 @@ def check_ranks_agree(epoch, step):
 
 
 # --- fine-tuning ------------------------------------------------------------------------------------------------
+def weights_of(args):
+    """--weights' checkpoint, read once (the preflight reads it first, for the model it holds)."""
+    if args.weights not in _weights:
+        _weights.clear()
+        _weights[args.weights] = read("--weights", args.weights)
+    return _weights[args.weights]
+
+
 def load_weights(model, args, classes):
     """--weights: start from a trained model (fine-tuning), on a fresh start only (a run that continues from its
     checkpoint has newer weights; main.py loads them). A classifier trained for other classes (another number, or
@@ -292,7 +331,8 @@ def load_weights(model, args, classes):
         log(f"--weights {args.weights} not read: the run continues from its checkpoint {args.resume}")
         return
     path = args.weights
-    checkpoint = read("--weights", path)
+    checkpoint = weights_of(args)
+    _weights.clear()
     _check_model_name(checkpoint, "--weights", path, args.model)
     weights, own = dict(checkpoint["model"]), model.state_dict()
     theirs = classes_of(checkpoint)
@@ -320,7 +360,8 @@ def keeping_previous(save):
     """A decorator for main.py's save(state, path), which writes path + ".tmp" and renames it over path: the
     checkpoint it replaces stays as *.prev.pth (a fallback for --resume auto when the new one is damaged), the
     rename reaches the disk (the folder is synced), and a write that fails (a full disk) leaves the previous
-    checkpoint as it was, no temporary file, and ends the run in one line."""
+    checkpoint as it was and no temporary file, and is told to the ranks' next vote (stops.write_failed), which
+    ends every rank together, rank 0 saying why in one line."""
     @functools.wraps(save)
     def save_keeping_the_previous(state, path):
         keep = f"{previous_path(path)}.{os.getpid()}.tmp"  # a second name for the old file, until the new is whole
@@ -334,22 +375,23 @@ def keeping_previous(save):
             os.fsync(folder)  # the renames themselves survive a power cut
             os.close(folder)
         except (OSError, RuntimeError) as error:  # torch.save reports a failed write as a RuntimeError
+            paths.note_free_space(error, path)
             for leftover in (keep, path + ".tmp"):
                 if os.path.exists(leftover):
                     os.remove(leftover)
-            _cannot_write(path, error)
+            stops.write_failed(_cannot_write(path, error))
     return save_keeping_the_previous
 
 
 def _cannot_write(path, error):
+    """The line for a checkpoint that could not be written: what, why, the space left, and what to do."""
     kept = os.path.isfile(path)
     # Without a checkpoint, what the epoch wrote before it (its metrics line, best.pth) is a run of its own that the
     # same command would refuse to replace: --overwrite puts it aside.
     again = "./run.sh --overwrite" if named("--output-dir") == "OUTPUT_DIR" else "the same command with --overwrite"
     then = (f"{path} is the last one written. Free space; then, to resume, {job.resume_advice()}" if kept else
             f"no checkpoint was kept. Free space, then start again: {again} (what this epoch wrote is put aside)")
-    fail(f"cannot write {path} ({getattr(error, 'strerror', None) or first_line(error)}; "
-         f"{paths.free_mib(os.path.dirname(os.path.abspath(path))):.0f} MiB free there): {then}", this_rank=True)
+    return f"cannot write {path} ({paths.why_not_written(error)}): {then}"
 
 
 # --- predict.py -------------------------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ from typing import NamedTuple
 
 import torch
 
+import job
 import paths
 from errors import fail
 
@@ -92,8 +93,9 @@ def check_args(args, use_cuda):
         fail(f"--seed {args.seed} with --epochs {args.epochs}: the sampler's seed of the last epoch (--seed + epoch) "
              f"would pass 2**64 - 1, the most torch's generators take; give a --seed of at most {2**64 - args.epochs}")
     autocast(args, use_cuda)  # --amp fp16 needs CUDA
-    if use_cuda and not args.check_only and args.local_rank >= torch.cuda.device_count():
-        fail(f"local rank {args.local_rank} but only {torch.cuda.device_count()} GPUs visible: start at most one "
+    local_rank = job.env().local_rank if args.local_rank is None else args.local_rank
+    if use_cuda and not args.check_only and local_rank >= torch.cuda.device_count():
+        fail(f"local rank {local_rank} but only {torch.cuda.device_count()} GPUs visible: start at most one "
              "process per GPU", this_rank=True)  # only the ranks past the last GPU see it
     if args.sync_bn and not use_cuda:
         fail("--sync-bn needs CUDA: SyncBatchNorm does not run on the CPU; drop the flag")

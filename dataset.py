@@ -361,10 +361,14 @@ def read_classes(root):
         raise BadInput(f"{path} holds {extra!r}, not only names, colors and ignore_index; write it as "
                        f"{_CLASSES_EXAMPLE}")
     names = spec.get("names")
-    if (not isinstance(names, list) or len(names) < 2 or len(set(map(str, names))) != len(names)
-            or not all(isinstance(name, str) and name for name in names)):
-        raise BadInput(f'{path}: "names" must list at least 2 different class names, in the order of their '
-                       f"indices in the masks; write it as {_CLASSES_EXAMPLE}")
+    if not isinstance(names, list) or len(names) < 2 or not all(isinstance(name, str) and name for name in names):
+        raise BadInput(f'{path}: "names" must list at least 2 class names, in the order of their indices in the '
+                       f"masks; write it as {_CLASSES_EXAMPLE}")
+    twice = sorted({name for name in names if names.count(name) > 1})
+    if twice:
+        raise BadInput(f'{path}: "names" lists {", ".join(map(repr, twice))} more than once (indices '
+                       f"{', '.join(str(i) for i, name in enumerate(names) if name in twice)}): give each class one "
+                       "name, and a mask value one class")
     if len(names) > 255:
         raise BadInput(f'{path} names {len(names)} classes, but a mask of 8 bits a pixel holds at most 255 classes '
                        "beside its ignore_index: merge classes, or train on at most 255")

@@ -38,23 +38,24 @@ _env = Environment()
 _command = {"resume": None, "overwrite": None, "quiet": False, "output_dir": "output"}  # what this run's command says
 
 
-def _whole_number(name, default, low=0):
+def _whole_number(name, default, low=0, high=None, advice="set it as a launcher does (torchrun sets RANK, "
+                  "WORLD_SIZE and LOCAL_RANK itself), or unset it"):
+    """The environment variable name as a whole number in [low, high] (default when it is not set); else one line
+    that names it, its value and what to set."""
     text = os.environ.get(name)
     if text is None:
         return default
-    try:
-        value = int(text)
-    except ValueError:
-        value = None
-    if value is None or value < low:
-        fail(f"the environment variable {name}={text!r} is not a whole number of at least {low}: unset it, or set "
-             "it as a launcher does (torchrun sets RANK, WORLD_SIZE and LOCAL_RANK itself)")
+    value = int(text) if text.strip().isdigit() else None
+    if value is None or value < low or (high is not None and value > high):
+        bound = f"from {low} to {high}" if high is not None else f"of at least {low}"
+        fail(f"the environment variable {name}={text!r} is not a whole number {bound}: {advice}")
     return value
 
 
 def read_environment(program="main.py"):
-    """Read and check every variable the harness uses, once for this run. A launcher's variables that cannot be a
-    process group (RANK without WORLD_SIZE, RANK past WORLD_SIZE, no MASTER_ADDR) end in one line."""
+    """Read and check every variable the program uses (the launcher's, run.sh's, and OMP_NUM_THREADS and TMPDIR,
+    which torch and Python read), once for this run: a bad value, or a launcher's variables that cannot make a
+    process group (RANK without WORLD_SIZE, RANK past WORLD_SIZE, no MASTER_ADDR), ends in one line."""
     global _env
     _env = Environment(program=program)  # what is known so far, for the line a bad variable ends in
     distributed = "RANK" in os.environ and "WORLD_SIZE" in os.environ
@@ -64,9 +65,22 @@ def read_environment(program="main.py"):
         fail(f"{given} is set but {missing} is not: a process group needs both (or neither, for one plain process)")
     if rank >= world_size:
         fail(f"RANK={rank} but WORLD_SIZE={world_size}: ranks are numbered 0 to WORLD_SIZE-1")
-    if distributed and not (os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT")):
-        fail("RANK and WORLD_SIZE are set but MASTER_ADDR or MASTER_PORT is not: set both to where rank 0 listens, "
-             "or start the program with torchrun, which sets them")
+    if distributed and not os.environ.get("MASTER_ADDR"):
+        fail("RANK and WORLD_SIZE are set but MASTER_ADDR is not: set MASTER_ADDR and MASTER_PORT to where rank 0 "
+             "listens, or start the program with torchrun, which sets them")
+    if distributed:
+        _whole_number("MASTER_PORT", None, 1, 65535, "set it to a free port on rank 0's machine (29500, say)")
+        if "MASTER_PORT" not in os.environ:
+            fail("RANK and WORLD_SIZE are set but MASTER_PORT is not: set it to a free port on rank 0's machine "
+                 "(29500, say), or start the program with torchrun")
+    if os.environ.get("OMP_NUM_THREADS"):  # torch's threads per process (libgomp only warns, and takes its own)
+        _whole_number("OMP_NUM_THREADS", None, 1, advice="set the threads each process may use (the machine's cores "
+                      "over the processes), or unset it")
+    _whole_number("LOCAL_WORLD_SIZE", None, 1)  # (dataset.default_workers divides the cores by it)
+    temporary = os.environ.get("TMPDIR")
+    if temporary and not (os.path.isdir(temporary) and os.access(temporary, os.W_OK | os.X_OK)):
+        fail(f"the environment variable TMPDIR={temporary!r} is not a folder this process can write to: set it to "
+             "one, or unset it")
     _env = Environment(
         program=program, rank=rank, world_size=world_size, local_rank=_whole_number("LOCAL_RANK", 0),
         distributed=distributed, master=f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}",

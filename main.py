@@ -106,9 +106,9 @@ def get_args_parser():
     preflight.add_arguments(parser)  # harness: --weights, --overwrite, --tensorboard, --check-only, --eval-*
     # Step 1: the local rank, the GPU this process drives. The tutorial reads --local_rank; since PyTorch 2.0
     # torch.distributed.launch passes --local-rank, and torchrun passes no argument at all, only the
-    # environment variable LOCAL_RANK. Accept both spellings, and fall back to the environment.
+    # environment variable LOCAL_RANK. Accept both spellings; without either, main() reads the environment.
     parser.add_argument("--local-rank", "--local_rank", type=int, dest="local_rank",
-                        default=int(os.environ.get("LOCAL_RANK", 0)), help="(default: $LOCAL_RANK, else 0)")
+                        help="(default: $LOCAL_RANK, else 0)")
     return parser
 
 
@@ -265,8 +265,8 @@ def sync_buffers(model):
     """Give every rank rank 0's buffers (BatchNorm running statistics), so that every rank evaluates the model rank
     0 saves. DDP broadcasts rank 0's buffers at the start of a forward that follows a gradient-enabled forward
     outside no_sync (once a step with --accum-steps), and each rank's batches then move its own copy: after the
-    last step every rank holds rank 0's statistics moved by its own last batch. (SyncBatchNorm on CUDA moves them
-    alike on every rank; plain BatchNorm on the CPU does not.)"""
+    last step every rank holds rank 0's statistics moved by its own batches of that step. (SyncBatchNorm on CUDA
+    moves them alike on every rank; plain BatchNorm on the CPU does not.)"""
     if dist.is_initialized():
         for buffer in model.buffers():
             dist.broadcast(buffer, src=0)
@@ -360,7 +360,7 @@ def build(args):
         # map_location="cpu": otherwise every rank loads onto the GPU the checkpoint was saved from (rank 0's),
         # and that GPU holds a copy per rank. weights_only=True: a checkpoint is data, not code.
         checkpoint = torch.load(args.resume, map_location="cpu", weights_only=True)
-    saved = checkpoint.get("args", {}) if checkpoint else {}  # the flags it was trained with: it knows its model
+    saved = checkpoint.get("args") or {} if checkpoint else {}  # the flags it was trained with: it knows its model
     args.model = args.model or saved.get("model", "deeplabv3plus_resnet101")
     args.output_stride = args.output_stride or saved.get("output_stride", 16)
     crop_size = args.crop_size * 2 if len(args.crop_size) == 1 else args.crop_size  # one number: a square
@@ -393,13 +393,14 @@ def main(args):
     train_set, val_set, model, checkpoint = build(args)
     preflight.check(args, train_set, val_set, checkpoint)  # harness: the data; --check-only ends here; folders made
 
-    # Step 1 (continued): the GPU this process drives, local_rank (parsed in get_args_parser). Before anything
+    # Step 1 (continued): the GPU this process drives, --local-rank or torchrun's LOCAL_RANK. Before anything
     # touches CUDA: this process's CUDA context, its "cuda" tensors and NCCL's work then go to its own GPU, not
     # all to GPU 0.
+    local_rank = args.local_rank if args.local_rank is not None else int(os.environ.get("LOCAL_RANK", 0))
     use_cuda = torch.cuda.is_available()
     if use_cuda:
-        torch.cuda.set_device(args.local_rank)
-    device = torch.device("cuda", args.local_rank) if use_cuda else torch.device("cpu")
+        torch.cuda.set_device(local_rank)
+    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
 
     # Step 2: the process group. The tutorial hard-codes nccl, which needs GPUs; gloo runs on the CPU. The
     # launchers set RANK and WORLD_SIZE; without them this is one plain process, which needs no group. (Under a
@@ -455,8 +456,8 @@ def wrap_model(model, args, device, distributed):
         # find parameters without gradients; DeepLab has none, so it is off unless asked for.
         # gradient_as_bucket_view: the gradients are views of DDP's all-reduce buckets, not a second copy
         # (zeroed in place in train_one_epoch, so that they stay views).
-        model = DDP(model, device_ids=[args.local_rank] if use_cuda else None,
-                    output_device=args.local_rank if use_cuda else None,
+        model = DDP(model, device_ids=[device.index] if use_cuda else None,
+                    output_device=device.index if use_cuda else None,
                     find_unused_parameters=args.find_unused_parameters, gradient_as_bucket_view=True)
         model_without_ddp = model.module
     if args.compile:
@@ -522,7 +523,7 @@ def train(args, model, model_without_ddp, model_to_evaluate, checkpoint, train_s
     if is_main_process():
         os.makedirs(args.output_dir, exist_ok=True)
     log(f"training {args.model} on {len(train_set)} images ({steps_per_epoch} steps/epoch), epochs "
-        f"{start_epoch}..{args.epochs - 1} (counted from 0)")
+        f"{start_epoch}..{args.epochs - 1} (counted from 0), evaluating on {len(loaders.val.dataset.dataset)}")
     for epoch in range(start_epoch, args.epochs):
         # Step 4 (continued): the tutorial never calls set_epoch. The sampler seeds its shuffle with
         # seed + epoch; without this call every epoch visits the images in the same order.

@@ -12,6 +12,7 @@ predict.py use it.
     paths.hold_output(args)                                   # one folder, one run: others are refused
     paths.release_output()                                    # at the end of the run (recovery.guard)
 """
+import errno
 import fcntl
 import json
 import os
@@ -20,7 +21,7 @@ import socket
 import time
 
 import job
-from errors import UserError, fail
+from errors import UserError, fail, first_line
 from job import named
 
 
@@ -38,6 +39,7 @@ def _inputs(reads):
 def check_folder(flag, path, reads=()):
     """An output folder: not a file, not an input of the command nor inside one (reads: [(flag, path)]), and
     where it can be made (found without writing anything: make_folder makes it, once every check is done)."""
+    _no_broken_link(flag, path)
     if os.path.exists(path) and not os.path.isdir(path):
         fail(f"{named(flag)} {path} is a file, not a folder: give a folder")
     existing = os.path.abspath(path)
@@ -51,6 +53,18 @@ def check_folder(flag, path, reads=()):
             where = "is" if os.path.realpath(path) == os.path.realpath(source) else "is inside"
             fail(f"{named(flag)} {path} {where} {named(read_flag)} {source}, which this command reads: outputs never "
                  f"land among the inputs; choose a folder outside it")
+
+
+def _no_broken_link(flag, path):
+    """Neither path nor a folder above it is a symbolic link that leads nowhere or loops back to itself (which
+    os.makedirs would report as a file that exists, or as too many levels of links)."""
+    place = os.path.abspath(path)
+    while place != os.path.dirname(place):
+        if os.path.islink(place) and not os.path.exists(place):
+            where = "" if place == os.path.abspath(path) else f" ({place}, on its way)"
+            fail(f"{named(flag)} {path}{where} is a symbolic link that leads nowhere or loops back to itself: remove "
+                 "it, or point it at a folder")
+        place = os.path.dirname(place)
 
 
 def make_folder(flag, path):
@@ -69,6 +83,7 @@ def make_folder(flag, path):
 def check_file(flag, path, reads=(), replaceable=None):
     """An output file: not a folder, not a file the command reads, not in a folder it reads; an existing file
     only if replaceable(path) says it is an earlier output of the same kind. Its folder is made."""
+    _no_broken_link(flag, path)
     if os.path.isdir(path):
         fail(f"{flag} {path} is a folder: give a file name, e.g. {os.path.join(path, 'model.onnx')}")
     for read_flag, source in _inputs(reads):
@@ -133,10 +148,27 @@ def write_atomically(path, data):
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as error:
+        note_free_space(error, path)
         if os.path.exists(tmp):
             os.remove(tmp)
         raise
+
+
+def note_free_space(error, path):
+    """The free space where path is, kept with the error of a write that failed, before its half-written file goes
+    (after, the disk no longer looks full)."""
+    error.free_mib = free_mib(os.path.dirname(os.path.abspath(path)))
+
+
+def why_not_written(error):
+    """What a failed write's error says, as a person reads it: a full disk as such, also when torch.save says it in its
+    own words ("unexpected pos ..." from its zip writer), with the free space when it failed."""
+    free = getattr(error, "free_mib", None)
+    full = getattr(error, "errno", None) == errno.ENOSPC or (isinstance(error, RuntimeError) and free is not None
+                                                              and free < 16)
+    why = "no space left on device" if full else getattr(error, "strerror", None) or first_line(error)
+    return why + (f"; {free:.0f} MiB free there when it failed" if free is not None else "")
 
 
 def write_folder(path, write):
@@ -339,6 +371,38 @@ def hold_output(args):
     except OSError as error:
         fail(f"{named('--output-dir')} {args.output_dir} cannot be written ({error.strerror or error}): free space "
              "there, or choose another folder")
+
+
+def _held(folder):
+    """Whether a live run holds folder: its lock file is there and locked (a probe's lock ends with its descriptor)."""
+    try:
+        fd = os.open(os.path.join(folder, HOLD), os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False  # no locks on this filesystem: nothing to tell
+    finally:
+        os.close(fd)
+
+
+def check_not_held(flag, path):
+    """predict.py: path is neither a folder a training run holds nor inside one (its pictures would land among that
+    run's files as it writes them)."""
+    place = os.path.abspath(path)
+    while True:
+        if _held(place):
+            holder = _holder(os.path.join(place, HOLD)) or {}
+            where = "is" if place == os.path.abspath(path) else f"is inside {place}, which is"
+            fail(f"{flag} {path} {where} in use by a training run (host {holder.get('host')}, process "
+                 f"{holder.get('pid')}): give another {flag}, or wait for the run to end")
+        if os.path.dirname(place) == place:
+            return
+        place = os.path.dirname(place)
 
 
 def forget_hold():

@@ -51,7 +51,7 @@ def start(args):
     start = checkpoints.decide_start(args)
     _run["start"] = start
     if args.weights and not start.path:
-        saved = checkpoints.saved_args(checkpoints.read("--weights", args.weights))
+        saved = checkpoints.saved_args(checkpoints.weights_of(args))
         if args.model is None and saved.get("model") in MODEL_NAMES:
             args.model = saved["model"]
         if args.output_stride is None and saved.get("output_stride") in (8, 16):

@@ -20,6 +20,7 @@ from PIL import Image
 import inference
 import job
 import paths
+import stops
 from dataset import CLASS_COLORS
 from errors import fail
 from job import is_main_process, log, named
@@ -90,7 +91,8 @@ def write_epoch(args, epoch, steps_per_epoch, stats, train_loss, evaluation, sta
     """After an epoch's evaluation, before main.py saves checkpoint.pth (rank 0 alone): best.pth when the mIoU is the
     best yet, the picture, a line of metrics.jsonl, TensorBoard's points, and what the user should know. A run
     stopped between these writes resumes before this epoch, and writes them all again (continue_run_at drops the
-    line). stats: main.EpochStats; evaluation: main.Evaluation; state: the checkpoint about to be saved."""
+    line). A write that fails is told to the ranks' vote after the epoch (stops.write_failed). stats:
+    main.EpochStats; evaluation: main.Evaluation; state: the checkpoint about to be saved."""
     if not is_main_process():
         return
     iteration = (epoch + 1) * steps_per_epoch
@@ -109,9 +111,11 @@ def write_epoch(args, epoch, steps_per_epoch, stats, train_loss, evaluation, sta
         if _run["writer"] is not None:
             _draw_epoch(record, picture)
     except (OSError, RuntimeError) as error:  # torch.save says a failed write as a RuntimeError
-        fail(f"cannot write in {args.output_dir} ({getattr(error, 'strerror', None) or error}; "
-             f"{paths.free_mib(args.output_dir):.0f} MiB free there): free space, then to resume, "
-             f"{job.resume_advice()}", this_rank=True)
+        if not hasattr(error, "free_mib"):
+            paths.note_free_space(error, os.path.join(args.output_dir, "metrics.jsonl"))
+        stops.write_failed(f"cannot write in {args.output_dir} ({paths.why_not_written(error)}): free space, then "
+                           f"to resume, {job.resume_advice()}")  # every rank stops at the epoch's end, together
+        return
     if stats.data_wait > 0.05:
         log(f"note: the training loop waited {stats.data_wait:.0%} of its time for data: raise -j if the machine has "
             "the cores" + ("" if args.cache_dir else ", or decode once with --cache-dir"))

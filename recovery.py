@@ -83,6 +83,9 @@ def guard(program, args=None):
     except stops.Interrupted as stop:
         log(f"{program}: stopped by signal {stop.args[0]} before training began: nothing was trained. To go on, "
             f"{job.resume_advice()}")
+    except KeyboardInterrupt:  # Ctrl-C where it stops at once (-e, the preflight, predict.py): one line, no traceback
+        print(f"{program}: stopped (Ctrl-C)", file=sys.stderr, flush=True)
+        sys.exit(130)
     except (UserError, WeightsError) as error:
         if isinstance(error, paths.Held):  # another run's folder: nothing of this run is written there
             _state.output_dir = None
@@ -344,9 +347,13 @@ def stop_heartbeat():
 
 
 def _did_not_meet(error):
-    """init_process_group gave up (the store says how many came), or the address is not there."""
+    """init_process_group gave up (the store says how many came), the address is not there, or rank 0 could not
+    listen at MASTER_PORT (another program, or another run, holds it)."""
     env = job.env()
     waited = time.time() - (_state.waiting_since or time.time())
+    if "EADDRINUSE" in str(error):
+        return (f"MASTER_PORT {env.master.rsplit(':', 1)[-1]} is taken on this machine by another program (another "
+                "run?): give another MASTER_PORT, or end the other; torchrun --standalone finds a free port itself")
     return (f"the {env.world_size} processes did not all meet at {env.master} within {waited:.0f} s "
             f"({first_line(error)}): start every rank, 0 to WORLD_SIZE-1, with the same MASTER_ADDR and MASTER_PORT, "
             "reachable from each (a firewall, another network interface?)")

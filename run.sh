@@ -45,13 +45,15 @@ for VAR in NODE_RANK MAX_RESTARTS; do need_number "$VAR" 0; done
 [ "$MASTER_PORT" -le 65535 ] || fail "MASTER_PORT=$MASTER_PORT: a port is at most 65535"
 [ -z "${NPROC:-}" ] || need_number NPROC 1
 
-# A stop while run.sh prepares ends in one line. (A run.sh started where SIGINT is ignored, in the background of a
-# script, keeps ignoring it: bash's `trap -` would turn it back on.)
+# A stop while run.sh prepares ends in one line: Ctrl-C (SIGINT), SIGTERM, the terminal closing (SIGHUP), or
+# SIGUSR1/SIGUSR2 (what a scheduler may be told to send before a job's time is up). (A run.sh started where SIGINT
+# is ignored, in the background of a script, keeps ignoring it: bash's `trap -` would turn it back on.)
 INT_IGNORED=$(trap -p INT)
-on_stop() {  # on_stop COMMAND: run COMMAND on SIGINT or SIGTERM; on_stop -: as before
-  trap "$1" TERM
+on_stop() {  # on_stop COMMAND: run COMMAND on a stop signal; on_stop -: as before
+  trap "$1" TERM HUP USR1 USR2
   [ -n "$INT_IGNORED" ] || trap "$1" INT
 }
+say() { echo "$@" 2>/dev/null || true; }  # a line to the terminal, which may have closed (SIGHUP): never fatal
 # The Python steps before training (the synthetic set, the check) run in the background, waited for: a Ctrl-C
 # then reaches run.sh alone (a background process of a script ignores it), which stops the step and says so in
 # one line, instead of Python's traceback from wherever the step was (importing torch, say).
@@ -60,7 +62,7 @@ run_step() {  # run_step WHAT COMMAND...: WHAT names the step in the stop line
   shift
   "$@" &
   STEP=$!
-  on_stop "kill -TERM $STEP 2>/dev/null; wait $STEP 2>/dev/null || true; echo \"run.sh: stopped while $what; nothing was started. Run the same ./run.sh line again to begin\" >&2; exit 130"
+  on_stop "kill -TERM $STEP 2>/dev/null; wait $STEP 2>/dev/null || true; say \"run.sh: stopped while $what; nothing was started. Run the same ./run.sh line again to begin\" >&2; exit 130"
   STATUS=0
   wait "$STEP" || STATUS=$?
   on_stop -
@@ -71,10 +73,18 @@ CORES=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)  # (nproc alone counts
 if [ "${CUDA_VISIBLE_DEVICES-unset}" = "" ]; then
   NGPU=0  # GPUs hidden on purpose: no need to start Python to count them
 else
-  # (Python ignores a Ctrl-C here, run.sh says it stopped: no KeyboardInterrupt traceback from importing torch)
-  on_stop 'echo "run.sh: stopped while counting the GPUs; nothing was started" >&2; exit 130'
-  NGPU=$(trap '' INT; "$PYTHON" -c "import torch; print(torch.cuda.device_count())")
-  on_stop -
+  # In the background, waited for, as every Python step before training: a stop ends it at once, even when the
+  # driver takes long to answer (a command substitution would wait for Python before run.sh could act).
+  COUNT=$(mktemp "${TMPDIR:-/tmp}/deeplab-gpus.XXXXXX") \
+    || fail "TMPDIR=${TMPDIR:-/tmp} cannot be written: set TMPDIR to a folder of this machine that can"
+  STATUS=0
+  run_step "counting the GPUs" "$PYTHON" -c "import torch; print(torch.cuda.device_count())" > "$COUNT" || STATUS=$?
+  NGPU=$(cat "$COUNT"); rm -f "$COUNT"
+  [ "$STATUS" -eq 0 ] && [[ "$NGPU" =~ ^[0-9]+$ ]] \
+    || fail "$PYTHON cannot count the GPUs: is PyTorch installed? pip install -r $ROOT/requirements.txt"
+  if [ "$NGPU" -eq 0 ] && [ -n "${CUDA_VISIBLE_DEVICES:-}" ]; then
+    say "run.sh: note: CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES, but PyTorch sees no GPU: running on the CPU"
+  fi
 fi
 if [ "$NGPU" -gt 0 ]; then
   NPROC=${NPROC:-$NGPU}
@@ -103,13 +113,13 @@ if compgen -G "$DATA/leftImg8bit/train/*/*_leftImg8bit.png" >/dev/null || [ -f "
   [ "$BATCH" -le 8 ] || BATCH=8
   ACCUM=$(( 16 / (BATCH * WORLD) )); [ "$ACCUM" -ge 1 ] || ACCUM=1
   if [ $(( BATCH * WORLD * ACCUM )) -ne 16 ]; then
-    echo "run.sh: note: global batch is $(( BATCH * WORLD * ACCUM )), not the recipe's 16 ($WORLD processes)"
+    say "run.sh: note: global batch is $(( BATCH * WORLD * ACCUM )), not the recipe's 16 ($WORLD processes)"
   fi
   ARGS=(-b "$BATCH" --accum-steps "$ACCUM")
 else
   # The demo writes into a folder of its own, so that a run on real data later does not meet it in output/.
   OUTPUT_DIR=${OUTPUT_DIR:-output/demo}
-  echo "run.sh: no Cityscapes in $DATA (docs/cityscapes.md says how to get it): the demo, on a synthetic set, in $OUTPUT_DIR"
+  say "run.sh: no Cityscapes in $DATA (docs/cityscapes.md says how to get it): the demo, on a synthetic set, in $OUTPUT_DIR"
   if [ ! -d "$SYNTHETIC" ]; then  # written whole or not at all (synthetic.py: a temporary folder, renamed)
     run_step "writing the synthetic set $SYNTHETIC (it appears whole or not at all)" \
       "$PYTHON" "$ROOT/synthetic.py" "$SYNTHETIC" --num-train 300 --num-val 60 --num-test 20 --size 192 96 -j "$CORES"
@@ -130,15 +140,15 @@ if [ "$NNODES" -gt 1 ]; then
 else
   LAUNCH=(--standalone)  # a free port on this machine, no rendezvous server to set up
 fi
-# --resume auto: run again, the same line carries on where the last run stopped (and says so when it had
-# finished); arguments after ./run.sh come last and win.
+# --resume auto: run again, the same line carries on from the run's last checkpoint (an epoch's end, or where a
+# stop saved; and says so when it had finished); arguments after ./run.sh come last and win.
 MAIN=("$ROOT/main.py" --data "$DATA" --output-dir "$OUTPUT_DIR" --resume auto "${ARGS[@]}" "$@")
 
 # Check the arguments, the data and any --resume in one plain process first: a mistake ends here with one
 # line, instead of in every worker, in torchrun's report, and again in each of torchrun's restarts.
 run_step "checking the arguments and the data" "$PYTHON" "${MAIN[@]}" --check-only "$WORLD" || exit $?
 
-echo "run.sh: $NPROC process(es) on this node, $NNODES node(s), data $DATA, output $OUTPUT_DIR"
+say "run.sh: $NPROC process(es) on this node, $NNODES node(s), data $DATA, output $OUTPUT_DIR"
 # torchrun restarts all workers when one fails (MAX_RESTARTS times); main.py then resumes by itself from
 # the last checkpoint. It runs in a session of its own so that a Ctrl-C reaches run.sh alone, which
 # passes it on to the workers: they finish the step, save, and exit 0, and so does torchrun. A second
@@ -153,6 +163,9 @@ STOP_DIR=$(mktemp -d "${TMPDIR:-/tmp}/deeplab-stop.XXXXXX") \
 export DEEPLAB_STOP_FILE="$STOP_DIR/signal"
 WATCHER=
 trap 'rm -rf "$STOP_DIR"; [ -z "$WATCHER" ] || kill "$WATCHER" 2>/dev/null || true' EXIT
+# SIGUSR1 and SIGUSR2 ignored by torchrun (their default would kill it): a scheduler that sends one to every process
+# of the job leaves it to run.sh and the workers.
+trap '' USR1 USR2
 setsid "$PYTHON" -m torch.distributed.run "${LAUNCH[@]}" --nproc_per_node "$NPROC" \
   --max-restarts "$MAX_RESTARTS" "${MAIN[@]}" &
 LAUNCHER=$!
@@ -166,22 +179,24 @@ fi
 SIGNALS=0
 forward() {
   SIGNALS=$(( SIGNALS + 1 ))
+  # SIGHUP (the terminal closed) goes on as SIGHUP: the workers then print nowhere, not into the closed terminal.
+  # Every other stop goes on as SIGTERM, also a Ctrl-C: a worker still starting (importing torch, before its
+  # handlers) ends quietly, where SIGINT would print a KeyboardInterrupt traceback; a restarted one reads the stop
+  # file and ends at once. Once training, the workers take each of them alike: they save, and stop.
+  local as=TERM
+  [ "$1" != HUP ] || as=HUP
   if [ "$SIGNALS" -eq 1 ] && pgrep -P "$LAUNCHER" >/dev/null; then
-    echo "run.sh: got SIG$1: the workers save a checkpoint at the end of this step and stop (again to stop at once)"
-    [ "$1" = TERM ] || echo "run.sh: (passed on to the workers as SIGTERM, which they take as a Ctrl-C)"
+    say "run.sh: got SIG$1: the workers save a checkpoint at the end of this step and stop (again to stop at once)"
     { echo "$1" > "$DEEPLAB_STOP_FILE"; } 2>/dev/null || true   # (the workers that run get the signal itself)
-    # SIGTERM to torchrun's children, the workers, also for a Ctrl-C: one still starting (importing torch, before
-    # its handlers) ends quietly, where SIGINT would print a KeyboardInterrupt traceback; a restarted one reads the
-    # stop file and ends at once. Once training, they take SIGTERM as they take Ctrl-C.
-    pkill -TERM -P "$LAUNCHER" || true
+    pkill "-$as" -P "$LAUNCHER" || true
   else
     # A second signal; or no worker running (torchrun waits for the other nodes, or between restarts).
-    [ "$SIGNALS" -gt 1 ] || echo "run.sh: got SIG$1 while no worker ran: stopping torchrun; what was saved stays"
+    [ "$SIGNALS" -gt 1 ] || say "run.sh: got SIG$1 while no worker ran: stopping torchrun; what was saved stays"
     { echo "$1" > "$DEEPLAB_STOP_FILE"; } 2>/dev/null || true
     kill -TERM "$LAUNCHER" 2>/dev/null || true
   fi
 }
-trap 'forward TERM' TERM
+for SIG in TERM HUP USR1 USR2; do trap "forward $SIG" "$SIG"; done
 [ -n "$INT_IGNORED" ] || trap 'forward INT' INT
 while :; do
   STATUS=0; wait "$LAUNCHER" || STATUS=$?   # (not a bare wait: set -e would end run.sh here)

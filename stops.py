@@ -1,7 +1,9 @@
-"""Stopping together. A signal (a scheduler's preemption, Ctrl-C, torchrun or run.sh passing one on) or a loss gone
-NaN or infinite on any rank stops every rank at the same step: a signal saves where the ranks are first and ends
-the run with exit status 0; a NaN saves nothing (the last checkpoint is the last good one) and ends it with 1. A
-second signal, a second or more after the first, stops at once.
+"""Stopping together. A signal or a loss gone NaN or infinite on any rank stops every rank at the same step: a
+signal saves where the ranks are first and ends the run with exit status 0; a NaN saves nothing (the last
+checkpoint is the last good one) and ends it with 1. A second signal, a second or more after the first, stops at
+once. The signals that stop a training run so: SIGTERM (a scheduler's preemption, `timeout`, torchrun or run.sh
+passing a stop on), SIGINT (Ctrl-C), SIGHUP (the terminal closed: what would be printed there then goes nowhere),
+SIGUSR1 and SIGUSR2 (what a scheduler may be told to send before a job's time is up, Slurm's --signal=USR1@120).
 
     stops.install()                     # recovery.guard, as main.py starts: SIGTERM and SIGINT finish the step
     stops.shield_workers(loader, ...)   # DataLoader workers leave a stop to the process that reads them
@@ -9,9 +11,11 @@ second signal, a second or more after the first, stops at once.
     stops.save_if_stopped(epoch, step, steps_per_epoch, save)   # after an epoch's steps: save there and end
     stops.stop_after_epoch(last)                    # after an epoch's files: a signal during its evaluation
 """
+import errno
 import functools
 import os
 import signal
+import sys
 import threading
 import time
 from contextlib import contextmanager
@@ -25,9 +29,9 @@ import paths
 from errors import Finished, fail
 from job import log
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 _state = SimpleNamespace(signal=None, signal_time=0.0, handlers=None, vote=None, decision=None, steps=0,
-                         deferring=False, begun=False)
+                         deferring=False, begun=False, waiting=False, problem=None)
 
 
 class Interrupted(Exception):
@@ -36,15 +40,16 @@ class Interrupted(Exception):
 
 # --- signals ----------------------------------------------------------------------------------------------------
 def install(training=True):
-    """A run starts with no signal seen. A training run's SIGTERM (a scheduler's preemption, torchrun passing one on)
-    and SIGINT (Ctrl-C): before the preflight has ended (begin()) and, with a process group, before the ranks have
-    met, nothing is trained and nothing waits for this process, and the run ends at once (Interrupted); after, the
-    signal is noted and acted on where every rank can stop together (requested, stop_after_epoch), instead of
-    killing the process mid-step. Other runs (-e, the preflight) keep Python's own handlers: a stop ends them."""
-    _state.signal, _state.vote, _state.decision, _state.steps = None, None, None, 0
-    _state.deferring = _state.begun = False
+    """A run starts with no signal seen. A training run's stop signals (STOP_SIGNALS): before the preflight has ended
+    (begin()) and, with a process group, before the ranks have met, nothing is trained and nothing waits for this
+    process, and the run ends at once (Interrupted); after, the signal is noted and acted on where every rank can
+    stop together (requested, stop_after_epoch), instead of killing the process mid-step. Other runs (-e, the
+    preflight) keep their own handlers: a stop ends them."""
+    _state.signal, _state.vote, _state.decision, _state.steps, _state.problem = None, None, None, 0, None
+    _state.deferring = _state.begun = _state.waiting = False
     if training:
         _state.handlers = {signum: signal.signal(signum, _on_signal) for signum in STOP_SIGNALS}
+        sys.stdout, sys.stderr = _Terminal(sys.stdout), _Terminal(sys.stderr)
 
 
 @contextmanager
@@ -61,12 +66,19 @@ def deferred():
 
 
 def begin():
-    """The preflight has ended: from the process group on (or now, in one plain process) a stop saves first."""
+    """The preflight has ended: from here a stop saves first. With a process group, not before the first training
+    step: init_process_group waits for the other ranks inside torch's C++, which retries a call a signal interrupts
+    and so never lets a Python handler run (a stop would wait out --dist-timeout). Until then the stop signals keep
+    their default, which ends the process at once; requested() takes them back."""
     _state.begun = True
+    if job.env().distributed and _state.handlers is not None:
+        for signum in STOP_SIGNALS:
+            signal.signal(signum, signal.SIG_DFL)
+        _state.waiting = True
 
 
 def _before_training():
-    return not _state.begun or (job.env().distributed and not dist.is_initialized())
+    return not _state.begun
 
 
 def restore():
@@ -75,9 +87,14 @@ def restore():
         for signum, handler in _state.handlers.items():
             signal.signal(signum, handler)
         _state.handlers = None
+    for name in ("stdout", "stderr"):
+        if isinstance(getattr(sys, name), _Terminal):
+            setattr(sys, name, getattr(sys, name).stream)
 
 
 def _on_signal(signum, frame):
+    if signum == signal.SIGHUP:
+        _leave_the_terminal()
     if _state.signal is None:
         _state.signal, _state.signal_time = signum, time.time()
         if _before_training() and not _state.deferring:
@@ -85,6 +102,48 @@ def _on_signal(signum, frame):
     elif time.time() - _state.signal_time > 1.0:  # a second signal (not a copy of the first, which a
         signal.signal(signum, signal.SIG_DFL)     # scheduler and a launcher may both send): stop now
         os.kill(os.getpid(), signum)
+
+
+def _leave_the_terminal():
+    """SIGHUP: the terminal this process printed to has closed. A write there fails (EIO) and would end the run
+    before it saved: what it prints from now on goes nowhere instead (output sent to a file stays as it is)."""
+    for fd in (1, 2):
+        if os.isatty(fd):
+            _send_nowhere(fd)
+
+
+def _send_nowhere(fd):
+    nowhere = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(nowhere, fd)
+    os.close(nowhere)
+
+
+class _Terminal:
+    """sys.stdout or sys.stderr while a training run prints: a write that a closed terminal refuses (EIO; a closed pipe,
+    EPIPE) sends what this process prints nowhere from then on, as SIGHUP does, instead of raising mid-step. A
+    line printed between the terminal's closing and SIGHUP's arrival would otherwise end the run unsaved."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def _guarded(self, method, *args):
+        try:
+            return method(*args)
+        except OSError as error:
+            if error.errno not in (errno.EIO, errno.EPIPE):
+                raise
+            _send_nowhere(self.stream.fileno())
+            return None
+
+    def write(self, text):
+        self._guarded(self.stream.write, text)
+        return len(text)
+
+    def flush(self):
+        self._guarded(self.stream.flush)
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
 
 
 def stop_signal():
@@ -100,6 +159,8 @@ def stop_signal():
             name = "TERM"  # gone again (run.sh ended) or unreadable: it was there, a stop was asked for
         _state.signal = int(getattr(signal, f"SIG{name}", signal.SIGTERM))
         _state.signal_time = time.time()
+        if _state.signal == signal.SIGHUP:
+            _leave_the_terminal()
     return _state.signal
 
 
@@ -111,7 +172,8 @@ def steps_done():
 # --- DataLoader workers -------------------------------------------------------------------------------------------
 def shield_workers(*loaders):
     """A stop sent to every process of the job (Ctrl-C at a terminal, `timeout`, `kill -- -PGID`, Slurm's --signal,
-    which signals every process of a job step) reaches the DataLoader's workers too. torch's own handler ends a
+    which signals every process of a job step) reaches the DataLoader's workers too, any of STOP_SIGNALS (SIGUSR1's
+    default would kill a worker outright). torch's own handler ends a
     worker on SIGTERM from anyone but its parent by the signal's default, and the training process then raises
     "DataLoader worker ... exited unexpectedly" (or "... is killed by signal") mid-step instead of saving. So each
     worker leaves such a stop to the process that reads it; its parent's SIGTERM still ends it, as in torch (the
@@ -129,6 +191,7 @@ def _worker_init(parent, worker_id):
 
 
 def _end_on_parents_sigterm(parent):
+    """The only stop a worker acts on: its parent's SIGTERM. The others wait here, blocked, for nothing."""
     while True:
         info = signal.sigwaitinfo(STOP_SIGNALS)
         if info.si_signo == signal.SIGTERM and info.si_pid == parent:
@@ -186,12 +249,22 @@ class StopVote:
 def requested(loss):
     """Each optimizer step, on every rank: this step's vote cast, the one before read. -> whether every rank stops
     now (they all read the same decision)."""
+    if _state.waiting:  # the ranks have met and trained a step: stops are noted again (begin())
+        _state.waiting = False
+        for signum in STOP_SIGNALS:
+            signal.signal(signum, _on_signal)
     if _state.vote is None:
         _state.vote = StopVote(loss.device)
     _state.steps += 1
     decision = _state.vote.cast(loss)
     _state.decision = _state.decision or decision
     return decision is not None
+
+
+def write_failed(message):
+    """Rank 0 could not write a file of the run (a full disk): said when every rank stops together (the first such
+    line), at the next vote (save_if_stopped, stop_after_epoch), not by rank 0 alone while the others wait for it."""
+    _state.problem = _state.problem or message
 
 
 def save_if_stopped(epoch, step, steps_per_epoch, save):
@@ -211,21 +284,26 @@ def save_if_stopped(epoch, step, steps_per_epoch, save):
     if decision == "signal" and step < steps_per_epoch:
         if job.is_main_process():
             save(step)
+            if _state.problem:  # no collective follows: rank 0 says it and ends; the others end as stopped
+                fail(_state.problem, this_rank=True)
         log(f"stopped by signal {stop_signal() or 'on another rank'} at epoch {epoch} step {step}/{steps_per_epoch}; "
             f"saved {job.checkpoint_path()}. To resume, {job.resume_advice()}")
         raise Finished
 
 
 def stop_after_epoch(last=False):
-    """After an epoch's files, every rank: whether a signal reached any rank during the evaluation (or at the
-    epoch's last step). Then every rank ends the run (exit 0) with the epoch saved. last: the epoch was the last
-    one, so there is nothing left to stop."""
-    flag = torch.tensor([float(stop_signal() is not None)])
+    """After an epoch's files, every rank learns whether rank 0 could not write them (a full disk: all stop with its
+    line, exit 1) and whether a signal reached any rank during the evaluation (or at the epoch's last step: all end
+    the run, exit 0, the epoch saved). last: the epoch was the last one, so there is nothing left to stop."""
+    flags = torch.tensor([float(stop_signal() is not None), float(_state.problem is not None)])
     if dist.is_initialized():
         if dist.get_backend() == "nccl":  # NCCL reduces GPU tensors only
-            flag = flag.cuda()
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    if not flag.item():
+            flags = flags.cuda()
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    signal_seen, write_failed_somewhere = flags.tolist()
+    if write_failed_somewhere:
+        fail(_state.problem or "rank 0 could not write this epoch's files")  # rank 0 has the line and says it
+    if not signal_seen:
         return
     if last:
         log("a stop was asked for at the end of the last epoch: training had finished, nothing is left to stop")

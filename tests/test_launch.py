@@ -12,12 +12,11 @@ import main
 PY = sys.executable
 
 
-def test_local_rank_from_either_flag_or_environment(monkeypatch):
+def test_local_rank_from_either_flag_or_environment():
     parse = lambda argv: main.get_args_parser().parse_args(argv).local_rank  # noqa: E731
     assert parse(["--local-rank=1"]) == 1  # torch.distributed.launch since PyTorch 2.0
     assert parse(["--local_rank", "1"]) == 1  # the tutorial, and launch before 2.0
-    monkeypatch.setenv("LOCAL_RANK", "1")  # torchrun: the environment only
-    assert parse([]) == 1
+    assert parse([]) is None  # torchrun: the environment only, which main() reads (Step 1, continued)
 
 
 def _metrics(out):
@@ -95,13 +94,14 @@ def test_run_sh_trains_resumes_and_evaluates(tiny_data, tmp_path):
 
 def test_run_sh_without_data_writes_synthetic_set_and_trains(tmp_path):
     """Run from a folder with no data/cityscapes and DATA not set: the demo, its paths relative to that folder
-    (OUTPUT_DIR set, to keep the test small, is too). A DATA named on purpose that holds nothing is no demo."""
-    env = {"OUTPUT_DIR": "out", "NPROC": "2", "MASTER_PORT": str(free_port())}
+    (OUTPUT_DIR set, to keep the test small, is too; not ASCII, under the C locale). A DATA named on purpose that
+    holds nothing is no demo."""
+    env = {"OUTPUT_DIR": "ausgabe-über", "NPROC": "2", "MASTER_PORT": str(free_port()), "LANG": "C", "LC_ALL": "C"}
     log = run([os.path.join(ROOT, "run.sh"), "--epochs", "1", "--crop-size", "16", "-b", "16", "-p", "50"], env=env,
               cwd=str(tmp_path))  # 9 steps
     assert "no Cityscapes in data/cityscapes" in log
     assert os.path.isdir(tmp_path / "data" / "cityscapes_synthetic" / "leftImg8bit" / "test")
-    assert [r["epoch"] for r in _metrics(str(tmp_path / "out"))] == [0]
+    assert [r["epoch"] for r in _metrics(str(tmp_path / "ausgabe-über"))] == [0]
     result = subprocess.run([os.path.join(ROOT, "run.sh")], cwd=str(tmp_path), capture_output=True, text=True,
                             env={**os.environ, "CUDA_VISIBLE_DEVICES": "", "DATA": "typo/cityscapes"}, timeout=60)
     assert result.returncode == 1 and "demo" not in result.stdout, result.stdout + result.stderr

@@ -1,6 +1,7 @@
 """A user's mistakes end in one line that names them, before any work, and leave a previous run's files as
 they were. Flags and paths are checked in-process (no process started); run.sh's variables by run.sh."""
 import hashlib
+import re
 import json
 import os
 import shutil
@@ -102,6 +103,8 @@ def test_numbers_out_of_range_are_refused_before_any_work(argv, expect, tmp_path
 def test_choices_that_cannot_work_here(tiny_data, tmp_path, previous_run, capsys):
     before = _snapshot(previous_run)
     common = ["--data", tiny_data, "--output-dir", previous_run, *TRAIN_ARGS, "--check-only", "2", "--resume", "auto"]
+    os.symlink(tmp_path / "nowhere", tmp_path / "gone")  # output folders that are links to nothing, or to themselves
+    os.symlink(tmp_path / "loop", tmp_path / "loop")
     empty, listing = tmp_path / "empty.pth", tmp_path / "list.pth"
     empty.write_bytes(b"")
     torch.save([1, 2, 3], listing)
@@ -115,6 +118,8 @@ def test_choices_that_cannot_work_here(tiny_data, tmp_path, previous_run, capsys
         (["--output-dir", os.path.join(previous_run, "metrics.jsonl")], "is a file, not a folder"),
         (["--save-predictions", os.path.join(previous_run, "best.pth")], "is a file, not a folder"),
         (["--output-dir", os.path.join(previous_run, "best.pth", "sub")], "cannot be written"),
+        (["--output-dir", str(tmp_path / "gone")], "gone is a symbolic link that leads nowhere or loops back to itself"),
+        (["--output-dir", str(tmp_path / "loop" / "sub")], f"({tmp_path / 'loop'}, on its way) is a symbolic link"),
     ]:
         line = _main_fails(common + extra, capsys)
         assert expect in line, (extra, line)
@@ -189,8 +194,8 @@ def test_an_empty_checkpoint_falls_back_to_the_one_before(trained, tmp_path, cap
     shutil.copytree(trained, out)
     shutil.copy(os.path.join(out, "checkpoint.pth"), os.path.join(out, "checkpoint.prev.pth"))
     open(os.path.join(out, "checkpoint.pth"), "wb").close()  # 0 bytes
-    path = checkpoints._find_in_run(out, evaluate=False)
-    assert path.endswith("checkpoint.prev.pth") and checkpoints.read("--resume", path)["epoch"] == 1
+    path, checkpoint = checkpoints._find_in_run(out, evaluate=False)
+    assert path.endswith("checkpoint.prev.pth") and checkpoint["epoch"] == 1
 
 
 def test_a_full_disk_keeps_the_previous_checkpoint_and_no_half_file(tmp_path, monkeypatch, capsys):
@@ -199,15 +204,20 @@ def test_a_full_disk_keeps_the_previous_checkpoint_and_no_half_file(tmp_path, mo
     main.save_checkpoint({"epoch": 2}, path)
     before = _snapshot(str(tmp_path))
 
-    def full_disk(state, f):
-        f.write(b"x" * 4096)
-        raise OSError(28, "No space left on device")
-
-    monkeypatch.setattr(torch, "save", full_disk)
-    with pytest.raises(errors.UserError) as error:
-        main.save_checkpoint({"epoch": 3}, path)
-    assert "No space left on device" in str(error.value) and "checkpoint.pth is the last one written" in str(error.value)
-    assert _snapshot(str(tmp_path)) == before  # no .tmp left, checkpoint.pth and .prev.pth as they were
+    for error in (OSError(28, "No space left on device"),  # torch.save's zip writer says it in its own words:
+                  RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")):
+        def full_disk(state, f):
+            f.write(b"x" * 4096)
+            raise error
+        monkeypatch.setattr(torch, "save", full_disk)
+        monkeypatch.setattr(paths, "free_mib", lambda folder: 0.2)  # when it failed
+        stops.install(training=False)  # a run's start: nothing failed yet
+        main.save_checkpoint({"epoch": 3}, path)  # rank 0's failure waits for the ranks' vote, which every rank joins
+        with pytest.raises(errors.UserError) as raised:
+            stops.stop_after_epoch()
+        assert "(no space left on device; 0 MiB free there when it failed)" in str(raised.value), raised.value
+        assert "checkpoint.pth is the last one written" in str(raised.value)
+        assert _snapshot(str(tmp_path)) == before  # no .tmp left, checkpoint.pth and .prev.pth as they were
 
 
 def test_the_data_folder_as_people_have_it(tiny_data, tmp_path, previous_run, capsys):
@@ -426,6 +436,15 @@ def test_a_folder_or_a_ddp_state_dict_or_backbone_weights_given_as_a_checkpoint(
                           (wrapped, ["holds a segmentation model's weights", "of this program goes to --weights"])]:
         line = _main_fails(common[:3] + [str(tmp_path / "new")] + common[4:] + ["--pretrained-backbone", given], capsys)
         assert all(part in line for part in expect), line  # where a backbone's weights are meant
+    vision = str(tmp_path / "torchvision.pth")  # torchvision's own DeepLab, its head named otherwise
+    torch.save({"backbone.0.0.weight": torch.zeros(16, 3, 3, 3), "classifier.0.convs.0.0.weight": torch.zeros(4)},
+               vision)
+    line = _main_fails(common + ["-e", "--resume", vision], capsys)
+    assert "holds torchvision's own DeepLab (torchvision.models.segmentation" in line, line
+    odd = str(tmp_path / "odd.pth")  # weights alone, of no model of this project: -e and --weights would fail too
+    torch.save({**weights, "classifier.weight": torch.zeros(19, 3, 1, 1)}, odd)
+    line = _main_fails(common + ["--resume", odd], capsys)
+    assert "its weights fit no model of this project" in line and "-e" not in line, line
 
 
 def test_torch_s_own_error_text_is_whole(tiny_data, tmp_path, capsys):
@@ -729,6 +748,12 @@ def test_a_folder_in_use_is_refused_to_another_run_and_taken_over_from_a_dead_on
             assert (f"--output-dir {out} is in use by another run (host {socket.gethostname()}, process "
                     f"{holder.pid}, since ") in line and "wait for it to end, or give another --output-dir" in line, line
             assert _snapshot(out) == before  # nothing of the refused run there, not even its stop record
+        predictions = os.path.join(out, "predictions")  # predict.py's pictures among the files of a run that writes
+        line = _predict_fails(["--resume", os.path.join(out, "best.pth"), os.path.join(out, "vis"), "--output-dir",
+                               predictions, "-j", "0"], capsys)
+        assert (f"--output-dir {predictions} is inside {out}, which is in use by a training run (host "
+                f"{socket.gethostname()}, process {holder.pid}): give another --output-dir") in line, line
+        assert _snapshot(out) == before
     finally:
         holder.send_signal(signal.SIGKILL)  # a holder that dies without letting go
         holder.communicate()
@@ -837,3 +862,131 @@ def test_earlier_results_are_replaced_with_a_word_and_a_full_disk_writing_eval_j
     line = _main_fails(evaluate, capsys)
     assert line == (f"main.py: error: cannot write in {tmp_path / 'e'} (No space left on device): free space there, "
                     "or give -e another --output-dir"), line
+
+
+# --- advice that works: each piece of advice a mistake's line gives, followed as it is written ------------------------
+def _replace(argv, old, new):
+    """argv with the flag old (the last time it is given: the one that counts) and its value, when it takes one,
+    replaced by the words new."""
+    at = len(argv) - 1 - argv[::-1].index(old)
+    takes_value = at + 1 < len(argv) and not argv[at + 1].startswith("-")
+    return argv[:at] + new + argv[at + (2 if takes_value else 1):]
+
+
+def _number_in_range(line):
+    """A value the line's range allows: '-b/--batch-size: 0 must be at least 1' -> ('--batch-size', '1')."""
+    flag, bounds = re.search(r"(\S+): \S+ must be (.*)$", line).groups()
+    low = re.search(r"(?:at least|above) ([-\d.e+]+)", bounds)
+    high = re.search(r"(?:at most|below) ([-\d.e+]+)", bounds)
+    value = (float(low.group(1)) + float(high.group(1))) / 2 if low and high else float(low.group(1)) + (
+        "above" in bounds)
+    return flag.split("/")[-1], f"{value:g}"
+
+
+ADVICE = [  # (the mistake: argv after the common flags, its line's words, how its advice makes the next argv)
+    (["--amp", "fp16"], "--amp fp16 needs CUDA",
+     lambda argv, line: _replace(argv, "--amp", re.search(r"use (--amp \w+)", line).group(1).split())),
+    (["--sync-bn"], "--sync-bn needs CUDA", lambda argv, line: "drop the flag" in line and _replace(argv, "--sync-bn", [])),
+    (["--dist-backend", "nccl"], "needs CUDA GPUs",
+     lambda argv, line: _replace(argv, "--dist-backend", re.search(r"use (--dist-backend \w+)", line).group(1).split())),
+    (["-e"], "evaluates a trained model",
+     lambda argv, line: argv + re.search(r"give it (--resume) PATH", line).group(1).split() + ["{best}"]),
+    (["-e", "--resume", "{best}", "--overwrite"], "-e trains nothing",
+     lambda argv, line: _replace(argv, re.search(r"drop (--\w+)", line).group(1), [])),
+    (["-e", "--resume", "{best}", "--tensorboard"], "-e writes eval.json",
+     lambda argv, line: _replace(argv, re.search(r"drop (--\w+)", line).group(1), [])),
+    (["--resume", "{best}", "--weights", "{best}"], "give one of the two",
+     lambda argv, line: _replace(argv, "--weights", [])),
+    (["--crop-size", "16", "-b", "1"], "too little for BatchNorm",
+     lambda argv, line: _replace(argv, "-b", re.search(r" or (-b \d+)", line).group(1).split())),
+    (["-b", "9"], "makes a global batch of 9",
+     lambda argv, line: _replace(argv, "-b", ["-b", re.search(r"--batch-size (\d+) or less", line).group(1)])),
+    (["-b", "1", "--accum-steps", "9"], "makes a global batch of 9",
+     lambda argv, line: _replace(argv, "--accum-steps", re.search(r"-b 1 (--accum-steps \d+) or less", line)
+                                 .group(1).split())),
+    (["--check-only", "6"], "only 5 val images",
+     lambda argv, line: _replace(argv, "--check-only", ["--check-only", re.search(r"at most (\d+)", line).group(1)])),
+    (["--seed", str(2**64)], "would pass 2**64 - 1",
+     lambda argv, line: _replace(argv, "--seed", ["--seed", re.search(r"--seed of at most (\d+)", line).group(1)])),
+    (["-b", "0"], "must be at least 1", lambda argv, line: _replace(argv, "-b", ["-b", _number_in_range(line)[1]])),
+    (["--lr", "-1"], "must be above 0", lambda argv, line: _replace(argv, "--lr", list(_number_in_range(line)))),
+    (["--momentum", "2"], "below 1", lambda argv, line: _replace(argv, "--momentum", list(_number_in_range(line)))),
+    (["-e", "--resume", "{best}", "--model", "deeplabv3_mobilenet_v3_large"], "holds a deeplabv3plus_mobilenet",
+     lambda argv, line: _replace(argv, "--model", re.search(r"pass (--model \S+)", line).group(1).split())),
+    (["-e", "--resume", "{bare}", "--model", "deeplabv3_mobilenet_v3_large"], "does not fit",
+     lambda argv, line: _replace(argv, "--model", re.search(r"give (--model \S+)", line).group(1).split())),
+    (["--resume", "{bare}"], "it has weights only",
+     lambda argv, line: argv + re.search(r"evaluate it with (-e)", line).group(1).split()),
+    (["--resume", "{bare}"], "it has weights only",
+     lambda argv, line: _replace(argv, "--resume", re.search(r"fine-tune from it with (--weights \S+)", line)
+                                 .group(1).split())),
+    (["-e", "--resume", "auto"], "no checkpoint in",
+     lambda argv, line: _replace(argv, "--resume", re.search(r"give -e (--resume) PATH", line).group(1).split()
+                                 + ["{best}"])),
+    (["--pretrained-backbone", "{best}"], "holds a whole DeepLab model",
+     lambda argv, line: _replace(argv, "--pretrained-backbone", re.search(r"with (--weights \S+)", line)
+                                 .group(1).split())),
+    (["--output-dir", "{data}/out"], "which this command reads",
+     lambda argv, line: "choose a folder outside it" in line and _replace(argv, "--output-dir",
+                                                                           ["--output-dir", "{fresh}/out"])),
+]
+
+
+@pytest.mark.parametrize("variables, expect", [
+    ({"RANK": "x", "WORLD_SIZE": "2"}, "the environment variable RANK='x' is not a whole number of at least 0"),
+    ({"LOCAL_RANK": ""}, "LOCAL_RANK='' is not a whole number of at least 0: set it as a launcher does"),
+    ({"RANK": "0", "WORLD_SIZE": "2"}, "RANK and WORLD_SIZE are set but MASTER_ADDR is not: set MASTER_ADDR and"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "http"},
+     "MASTER_PORT='http' is not a whole number from 1 to 65535: set it to a free port"),
+    ({"WORLD_SIZE": "2"}, "WORLD_SIZE is set but RANK is not"),
+    ({"OMP_NUM_THREADS": "all"}, "OMP_NUM_THREADS='all' is not a whole number of at least 1: set the threads"),
+    ({"TMPDIR": "/nowhere"}, "TMPDIR='/nowhere' is not a folder this process can write to"),
+])
+def test_the_launchers_environment_is_checked_in_one_line(variables, expect, tiny_data, tmp_path, monkeypatch,
+                                                        capsys):
+    for name, value in variables.items():
+        monkeypatch.setenv(name, value)
+    line = _main_fails(["--data", tiny_data, "--output-dir", str(tmp_path / "out"), *TRAIN_ARGS], capsys)
+    assert expect in line and not os.path.exists(tmp_path / "out"), line
+
+
+def test_a_master_port_taken_by_another_program_is_named(tiny_data, tmp_path, monkeypatch, capsys):
+    import socket
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        for name, value in {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                            "MASTER_PORT": port}.items():
+            monkeypatch.setenv(name, value)
+        line = _main_fails(["--data", tiny_data, "--output-dir", str(tmp_path / "out"), *TRAIN_ARGS], capsys)
+    assert f"MASTER_PORT {port} is taken on this machine by another program (another run?): give another" in line, line
+
+
+@pytest.fixture
+def bare_weights(trained, tmp_path):
+    """A DeepLab's weights alone, as torch.save(model.state_dict()) writes them."""
+    path = str(tmp_path / "bare.pth")
+    torch.save(torch.load(os.path.join(trained, "best.pth"), weights_only=True)["model"], path)
+    return path
+
+
+def test_each_piece_of_advice_followed_as_written_ends_that_mistake(tiny_data, trained, bare_weights, tmp_path,
+                                                                    capsys):
+    """Each mistake's line gives advice; the command it advises (made from the line's own words) gets past it: the
+    preflight (--check-only, which writes nothing) then passes, or meets another mistake, never the same one."""
+    names = {"best": os.path.join(trained, "best.pth"), "bare": bare_weights, "data": tiny_data,
+             "fresh": str(tmp_path)}
+    common = ["--data", tiny_data, "--output-dir", str(tmp_path / "{}"), *TRAIN_ARGS, "--epochs", "1"]
+    for number, (extra, words, follow) in enumerate(ADVICE):
+        argv = [word.format(**names) for word in common[:3] + [common[3].format(number)] + common[4:]
+                + (["--check-only", "1"] if "--check-only" not in extra else []) + extra]
+        line = _main_fails(argv, capsys)
+        assert words in line, (extra, line)
+        advised = follow(argv, line)
+        assert advised, (extra, line)
+        try:
+            main.main(main.get_args_parser().parse_args([word.format(**names) for word in advised]))
+            assert "error" not in capsys.readouterr().err, (extra, line, advised)
+        except SystemExit:
+            assert words not in _one_error_line(capsys), (extra, line, advised)

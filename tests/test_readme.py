@@ -103,7 +103,7 @@ def test_the_lesson_keeps_its_shape():
     marks = [(number, line.strip()) for number, line in enumerate(lines, 1) if re.match(r"\s*# Step \d", line)]
     steps = [mark[len("# Step ")] for _, mark in marks]
     assert steps == sorted(steps) and set(steps) == {"1", "2", "3", "4"}, marks  # in order, each marked
-    set_device = next(n for n, line in enumerate(lines, 1) if "torch.cuda.set_device(args.local_rank)" in line)
+    set_device = next(n for n, line in enumerate(lines, 1) if "torch.cuda.set_device(local_rank)" in line)
     loader = next(n for n, line in enumerate(lines, 1) if "train_loader = DataLoader(" in line)
     assert not any("check_only" in line for line in lines[set_device:loader])
     step4 = next(n for n, mark in marks if mark.startswith("# Step 4:"))

@@ -2,6 +2,8 @@
 Each runs main.py as a user would (run.sh or plain processes), on the CPU with gloo."""
 import json
 import os
+import pty
+import select
 import shutil
 import signal
 import subprocess
@@ -14,7 +16,7 @@ import torch
 import checkpoints
 import recovery
 import stops
-from conftest import ROOT, SLOW_ARGS, TRAIN_ARGS, free_port, run
+from conftest import ROOT, SLOW_ARGS, TRAIN_ARGS, free_port, processes_mentioning, run
 
 PY = sys.executable
 CPU_ENV = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
@@ -57,6 +59,26 @@ def _wait_for(process, text, timeout=120):
     raise AssertionError(f"{text!r} never appeared:\n{''.join(seen)}")
 
 
+def _read_terminal(terminal, text, timeout=120):
+    """Read what a process prints into its terminal (pty.fork's) until a line holds text; -> all that was read."""
+    seen, deadline = "", time.time() + timeout
+    while text not in seen:
+        assert time.time() < deadline and select.select([terminal], [], [], deadline - time.time())[0], seen
+        seen += os.read(terminal, 65536).decode(errors="replace")
+    return seen
+
+
+def _exit_status(pid, timeout):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.2)
+    os.kill(pid, signal.SIGKILL)
+    raise AssertionError(f"still running after {timeout} s")
+
+
 def _workers(out):
     """PIDs of the main.py workers (not torchrun, not run.sh's check) writing to out."""
     pids = []
@@ -92,10 +114,14 @@ def test_resume_at_epoch_boundary_is_bitwise_identical(data24, straight, tmp_pat
 def test_preempted_mid_epoch_resumes_at_next_batch_and_matches(data24, straight, tmp_path):
     out = str(tmp_path / "out")
     env = _env(data24, out)
-    # SIGTERM to one worker (as a scheduler might send): every rank stops at the same step, rank 0 saves.
+    # SIGUSR1, as Slurm's --signal=USR1@120 sends it, to one worker and to torchrun (the other worker gets none: the
+    # ranks' vote carries it): every rank stops at the same step, rank 0 saves; torchrun, which run.sh starts with
+    # SIGUSR1 ignored, is not killed by it, and ends with its workers.
     process = _start(["./run.sh", "--epochs", "2", *SLOW_ARGS], env)
     _wait_for(process, "epoch 0 step 2/6")
-    os.kill(max(_workers(out)), signal.SIGTERM)
+    for pid in [max(_workers(out))] + [pid for pid in processes_mentioning(out) if pid not in _workers(out)
+                                       and b"torch.distributed.run" in open(f"/proc/{pid}/cmdline", "rb").read()]:
+        os.kill(pid, signal.SIGUSR1)
     log = process.communicate(timeout=120)[0]
     assert process.returncode == 0, log
     assert "stopped by signal" in log and "To resume, run the same ./run.sh line again" in log
@@ -103,16 +129,20 @@ def test_preempted_mid_epoch_resumes_at_next_batch_and_matches(data24, straight,
     assert first["epoch"] == 0 and 2 <= first["step"] < 6, log
     assert not os.path.exists(os.path.join(out, "metrics.jsonl"))  # no epoch finished yet
 
-    # SIGINT (Ctrl-C) to run.sh, the launcher: it passes it on; all exit 0.
-    process = _start(["./run.sh", "--epochs", "2", "--resume", "auto", *SLOW_ARGS], {**env, "MASTER_PORT": str(free_port())})
-    log = _wait_for(process, f"epoch 0 step {first['step'] + 1}/6")  # the next unseen batch, not step 1
+    # The terminal run.sh runs in closes (SIGHUP to run.sh, the session's leader; every write to it fails from then
+    # on): run.sh passes it on, the workers save, and nothing fails (no restart is allowed, so none is needed).
+    pid, terminal = pty.fork()
+    if pid == 0:  # run.sh in a terminal of its own
+        os.chdir(ROOT)
+        os.execve("./run.sh", ["./run.sh", "--epochs", "2", "--resume", "auto", *SLOW_ARGS],
+                  {**CPU_ENV, **env, "MASTER_PORT": str(free_port()), "MAX_RESTARTS": "0"})
+    log = _read_terminal(terminal, f"epoch 0 step {first['step'] + 1}/6")  # the next unseen batch, not step 1
     assert "epoch 0 step 1/6" not in log
-    _wait_for(process, "epoch 1 step 2/6")
-    process.send_signal(signal.SIGINT)
-    log = process.communicate(timeout=120)[0]
-    assert process.returncode == 0, log
+    _read_terminal(terminal, "epoch 1 step 2/6")
+    os.close(terminal)
+    assert _exit_status(pid, timeout=120) == 0
     second = _checkpoint(out)
-    assert second["epoch"] == 1 and 2 <= second["step"] < 6, log
+    assert second["epoch"] == 1 and 2 <= second["step"] < 6, second["step"]
 
     log = run(["./run.sh", "--epochs", "2", "--resume", "auto", *SLOW_ARGS], env={**env, "MASTER_PORT": str(free_port())})
     assert f"epoch 1 step {second['step'] + 1}/6" in log

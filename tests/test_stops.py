@@ -104,21 +104,31 @@ def _wait_for_process(text, timeout=60):
         time.sleep(0.1)
 
 
-@pytest.mark.parametrize("moment", ["writing the synthetic set", "checking the arguments and the data"])
+@pytest.mark.parametrize("moment", ["counting the GPUs", "writing the synthetic set",
+                                    "checking the arguments and the data"])
 def test_ctrl_c_while_run_sh_prepares_says_so_in_one_line_and_leaves_nothing(moment, tiny_data, tmp_path):
     out, synthetic = str(tmp_path / "out"), str(tmp_path / "synthetic")
     # Writing the synthetic set: run where there is no data/cityscapes, DATA not set (the demo's case).
-    data = {} if moment.startswith("writing") else {"DATA": tiny_data}
-    process = _start_in_its_own_group([os.path.join(ROOT, "run.sh")], {**CPU_ENV, **data, "OUTPUT_DIR": out,
-                                                                      "SYNTHETIC": synthetic}, cwd=str(tmp_path))
-    _wait_for_process("synthetic.py" if moment.startswith("writing") else "--check-only")
+    env = {**CPU_ENV, "OUTPUT_DIR": out, "SYNTHETIC": synthetic} | ({} if moment.startswith("writing") else
+                                                                   {"DATA": tiny_data})
+    marker = {"counting the GPUs": "time.sleep(600)", "writing the synthetic set": "synthetic.py"}.get(moment,
+                                                                                                     "--check-only")
+    if moment == "counting the GPUs":  # a GPU driver that never answers: a stop must not wait for it
+        fake = tmp_path / "python"
+        fake.write_text(f'#!/bin/bash\n[ "$1" != -c ] || exec {sys.executable} -c "import time; time.sleep(600)" "$0"\n'
+                        f'exec {sys.executable} "$@"\n')
+        fake.chmod(0o755)
+        env |= {"PYTHON": str(fake), "CUDA_VISIBLE_DEVICES": "0"}
+    process = _start_in_its_own_group([os.path.join(ROOT, "run.sh")], env, cwd=str(tmp_path))
+    _wait_for_process(marker)
     time.sleep(1.0)  # inside Python: importing torch, or drawing scenes
     os.killpg(process.pid, signal.SIGINT)  # Ctrl-C in the terminal: the whole foreground group
-    output = process.communicate(timeout=60)[0]
+    output = process.communicate(timeout=20)[0]  # at once: no step is waited for
     assert process.returncode == 130 and "Traceback" not in output, output
     assert f"run.sh: stopped while {moment}" in output and "Run the same ./run.sh line again" in output, output
     assert not os.path.exists(out)  # nothing written, and no half-written data set under any name
     assert not any(".partial-" in name or name == "synthetic" for name in os.listdir(tmp_path)), os.listdir(tmp_path)
+    assert not processes_mentioning(marker)
     assert not processes_mentioning(str(tmp_path))
 
 
@@ -161,7 +171,18 @@ def test_waits_for_other_nodes_and_processes_say_what_they_wait_for(tiny_data, t
                                      str(tmp_path / "alone"), "--epochs", "1", "--dist-timeout", "0.25", *TRAIN_ARGS],
                                     {**CPU_ENV, "RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0",
                                      "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": alone_port})
+    # Rank 1 of 2 started by hand, rank 0 never: stopped while it waits, it ends at once, not after --dist-timeout.
+    rank1 = _start_in_its_own_group([sys.executable, "main.py", "--data", tiny_data, "--output-dir",
+                                     str(tmp_path / "one"), "--epochs", "1", "--dist-timeout", "10", *TRAIN_ARGS],
+                                    {**CPU_ENV, "RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "0",
+                                     "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())})
     try:
+        for line in rank1.stdout:
+            if "waiting" in line:
+                break
+        rank1.send_signal(signal.SIGTERM)
+        rank1.communicate(timeout=10)
+        assert rank1.returncode == -signal.SIGTERM, rank1.returncode
         seen = []
         for line in node.stdout:
             seen.append(line)
@@ -183,7 +204,7 @@ def test_waits_for_other_nodes_and_processes_say_what_they_wait_for(tiny_data, t
         assert errors[0].startswith(f"main.py: error: rank 0: the 2 processes did not all meet at 127.0.0.1:"
                                     f"{alone_port} within 1"), errors[0]
     finally:
-        for process in (node, rank0):
+        for process in (node, rank0, rank1):
             if process.poll() is None:
                 os.killpg(process.pid, signal.SIGKILL)
             process.communicate()
