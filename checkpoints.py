@@ -212,7 +212,7 @@ def _check_it_can_resume(checkpoint, path, args, auto):
         if fits is None:  # -e and --weights would refuse it too
             fail(f"--resume {path} holds no {', '.join(missing)}, and its weights fit no model of this project "
                  f"(--model {', '.join(MODEL_NAMES)}): give a checkpoint.pth that main.py wrote")
-        model = "" if args.model in (None, fits) else f" --model {fits}"
+        model = "" if (args.model or DEFAULT_MODEL) == fits else f" --model {fits}"  # the model the advice builds
         fail(f"--resume {path} holds no {', '.join(missing)}: it has weights only ({fits}; evaluate it with "
              f"-e{model} --resume {path}, or fine-tune from it with{model} --weights {path}); to continue training, "
              "resume a checkpoint.pth that main.py wrote")
@@ -364,6 +364,8 @@ def keeping_previous(save):
     ends every rank together, rank 0 saying why in one line."""
     @functools.wraps(save)
     def save_keeping_the_previous(state, path):
+        if stops.write_problem():  # this epoch's other files failed: no checkpoint after them, the epoch is redone
+            return
         keep = f"{previous_path(path)}.{os.getpid()}.tmp"  # a second name for the old file, until the new is whole
         try:
             if os.path.isfile(path):

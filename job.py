@@ -45,7 +45,8 @@ def _whole_number(name, default, low=0, high=None, advice="set it as a launcher 
     text = os.environ.get(name)
     if text is None:
         return default
-    value = int(text) if text.strip().isdigit() else None
+    digits = text.strip()
+    value = int(digits) if digits.isascii() and digits.isdecimal() else None
     if value is None or value < low or (high is not None and value > high):
         bound = f"from {low} to {high}" if high is not None else f"of at least {low}"
         fail(f"the environment variable {name}={text!r} is not a whole number {bound}: {advice}")
@@ -73,9 +74,11 @@ def read_environment(program="main.py"):
         if "MASTER_PORT" not in os.environ:
             fail("RANK and WORLD_SIZE are set but MASTER_PORT is not: set it to a free port on rank 0's machine "
                  "(29500, say), or start the program with torchrun")
-    if os.environ.get("OMP_NUM_THREADS"):  # torch's threads per process (libgomp only warns, and takes its own)
-        _whole_number("OMP_NUM_THREADS", None, 1, advice="set the threads each process may use (the machine's cores "
-                      "over the processes), or unset it")
+    threads = os.environ.get("OMP_NUM_THREADS", "")  # torch's threads (libgomp only warns, and takes its own)
+    if threads and not (threads.split(",")[0].strip().isascii() and threads.split(",")[0].strip().isdecimal()
+                        and int(threads.split(",")[0]) >= 1):  # (a list, 4,2, gives nested levels theirs)
+        fail(f"the environment variable OMP_NUM_THREADS={threads!r} is not a whole number of at least 1: set the "
+             "threads each process may use (the machine's cores over the processes), or unset it")
     _whole_number("LOCAL_WORLD_SIZE", None, 1)  # (dataset.default_workers divides the cores by it)
     temporary = os.environ.get("TMPDIR")
     if temporary and not (os.path.isdir(temporary) and os.access(temporary, os.W_OK | os.X_OK)):

@@ -411,6 +411,7 @@ def main(args):
         recovery.watch_peers(args.dist_timeout)  # harness: says what it waits for; then each rank's heartbeat
         dist.init_process_group(backend=args.dist_backend or ("nccl" if use_cuda else "gloo"),
                                 timeout=timedelta(minutes=args.dist_timeout))
+        stops.ranks_met()  # harness: from here a stop saves first (while init_process_group waits, one ends it)
     log(f"{get_world_size()} process(es), backend {dist.get_backend() if distributed else 'none'}, device "
         f"{device.type}, global batch {global_batch(args)} (-b {args.batch_size} x {get_world_size()} process(es) "
         f"x --accum-steps {args.accum_steps})")

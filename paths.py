@@ -379,8 +379,8 @@ def _held(folder):
         fd = os.open(os.path.join(folder, HOLD), os.O_RDONLY)
     except OSError:
         return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    try:  # shared: it needs no write access (a network filesystem turns flock into byte-range locks, which do)
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         return False
     except BlockingIOError:
         return True
@@ -391,15 +391,15 @@ def _held(folder):
 
 
 def check_not_held(flag, path):
-    """predict.py: path is neither a folder a training run holds nor inside one (its pictures would land among that
-    run's files as it writes them)."""
+    """predict.py: path is neither a folder a run holds (training, or -e) nor inside one (its pictures would land
+    among that run's files as it writes them)."""
     place = os.path.abspath(path)
     while True:
         if _held(place):
             holder = _holder(os.path.join(place, HOLD)) or {}
             where = "is" if place == os.path.abspath(path) else f"is inside {place}, which is"
-            fail(f"{flag} {path} {where} in use by a training run (host {holder.get('host')}, process "
-                 f"{holder.get('pid')}): give another {flag}, or wait for the run to end")
+            fail(f"{flag} {path} {where} in use by another run (host {holder.get('host')}, process "
+                 f"{holder.get('pid')}): give another {flag}, or wait for that run to end")
         if os.path.dirname(place) == place:
             return
         place = os.path.dirname(place)

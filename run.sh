@@ -53,16 +53,20 @@ on_stop() {  # on_stop COMMAND: run COMMAND on a stop signal; on_stop -: as befo
   trap "$1" TERM HUP USR1 USR2
   [ -n "$INT_IGNORED" ] || trap "$1" INT
 }
-say() { echo "$@" 2>/dev/null || true; }  # a line to the terminal, which may have closed (SIGHUP): never fatal
+# A line to the terminal, which may have closed (SIGHUP), or to a pipe whose reader has gone (`| tee log`): the
+# subshell takes the failed write, or the SIGPIPE, never run.sh.
+say() { (echo "$@") 2>/dev/null || true; }
 # The Python steps before training (the synthetic set, the check) run in the background, waited for: a Ctrl-C
 # then reaches run.sh alone (a background process of a script ignores it), which stops the step and says so in
 # one line, instead of Python's traceback from wherever the step was (importing torch, say).
-run_step() {  # run_step WHAT COMMAND...: WHAT names the step in the stop line
+run_step() {  # run_step WHAT COMMAND...: WHAT names the step in the stop line; STOP_WAIT=0: do not wait for it
   local what=$1
   shift
   "$@" &
   STEP=$!
-  on_stop "kill -TERM $STEP 2>/dev/null; wait $STEP 2>/dev/null || true; say \"run.sh: stopped while $what; nothing was started. Run the same ./run.sh line again to begin\" >&2; exit 130"
+  local ends="kill -TERM $STEP 2>/dev/null; wait $STEP 2>/dev/null || true"  # (a step cleans up what it began)
+  [ "${STOP_WAIT:-1}" = 1 ] || ends="kill -KILL $STEP 2>/dev/null"
+  on_stop "$ends; say \"run.sh: stopped while $what; nothing was started. Run the same ./run.sh line again to begin\" >&2; exit 130"
   STATUS=0
   wait "$STEP" || STATUS=$?
   on_stop -
@@ -73,13 +77,15 @@ CORES=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)  # (nproc alone counts
 if [ "${CUDA_VISIBLE_DEVICES-unset}" = "" ]; then
   NGPU=0  # GPUs hidden on purpose: no need to start Python to count them
 else
-  # In the background, waited for, as every Python step before training: a stop ends it at once, even when the
-  # driver takes long to answer (a command substitution would wait for Python before run.sh could act).
+  # In the background, waited for, as every Python step before training: a stop ends it at once, and does not wait
+  # for a driver that does not answer (a command substitution would wait for Python before run.sh could act).
   COUNT=$(mktemp "${TMPDIR:-/tmp}/deeplab-gpus.XXXXXX") \
     || fail "TMPDIR=${TMPDIR:-/tmp} cannot be written: set TMPDIR to a folder of this machine that can"
+  trap 'rm -f "$COUNT"' EXIT
   STATUS=0
-  run_step "counting the GPUs" "$PYTHON" -c "import torch; print(torch.cuda.device_count())" > "$COUNT" || STATUS=$?
-  NGPU=$(cat "$COUNT"); rm -f "$COUNT"
+  STOP_WAIT=0 run_step "counting the GPUs" "$PYTHON" -c "import torch; print(torch.cuda.device_count())" \
+    > "$COUNT" || STATUS=$?
+  NGPU=$(cat "$COUNT"); rm -f "$COUNT"; trap - EXIT
   [ "$STATUS" -eq 0 ] && [[ "$NGPU" =~ ^[0-9]+$ ]] \
     || fail "$PYTHON cannot count the GPUs: is PyTorch installed? pip install -r $ROOT/requirements.txt"
   if [ "$NGPU" -eq 0 ] && [ -n "${CUDA_VISIBLE_DEVICES:-}" ]; then
@@ -185,15 +191,16 @@ forward() {
   # file and ends at once. Once training, the workers take each of them alike: they save, and stop.
   local as=TERM
   [ "$1" != HUP ] || as=HUP
+  # The signal is passed on first, then said: saying it may fail (a closed terminal, a pipe whose reader is gone).
   if [ "$SIGNALS" -eq 1 ] && pgrep -P "$LAUNCHER" >/dev/null; then
-    say "run.sh: got SIG$1: the workers save a checkpoint at the end of this step and stop (again to stop at once)"
     { echo "$1" > "$DEEPLAB_STOP_FILE"; } 2>/dev/null || true   # (the workers that run get the signal itself)
     pkill "-$as" -P "$LAUNCHER" || true
+    say "run.sh: got SIG$1: the workers save a checkpoint at the end of this step and stop (again to stop at once)"
   else
     # A second signal; or no worker running (torchrun waits for the other nodes, or between restarts).
-    [ "$SIGNALS" -gt 1 ] || say "run.sh: got SIG$1 while no worker ran: stopping torchrun; what was saved stays"
     { echo "$1" > "$DEEPLAB_STOP_FILE"; } 2>/dev/null || true
     kill -TERM "$LAUNCHER" 2>/dev/null || true
+    [ "$SIGNALS" -gt 1 ] || say "run.sh: got SIG$1 while no worker ran: stopping torchrun; what was saved stays"
   fi
 }
 for SIG in TERM HUP USR1 USR2; do trap "forward $SIG" "$SIG"; done

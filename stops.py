@@ -2,10 +2,12 @@
 signal saves where the ranks are first and ends the run with exit status 0; a NaN saves nothing (the last
 checkpoint is the last good one) and ends it with 1. A second signal, a second or more after the first, stops at
 once. The signals that stop a training run so: SIGTERM (a scheduler's preemption, `timeout`, torchrun or run.sh
-passing a stop on), SIGINT (Ctrl-C), SIGHUP (the terminal closed: what would be printed there then goes nowhere),
-SIGUSR1 and SIGUSR2 (what a scheduler may be told to send before a job's time is up, Slurm's --signal=USR1@120).
+passing a stop on), SIGINT (Ctrl-C), SIGHUP (the terminal closed), SIGUSR1 and SIGUSR2 (what a scheduler may be
+told to send before a job's time is up, Slurm's --signal=USR1@120). A write to a closed terminal, or a full disk
+under the log, costs the line, not the run.
 
-    stops.install()                     # recovery.guard, as main.py starts: SIGTERM and SIGINT finish the step
+    stops.install()                     # recovery.guard, as main.py starts: the stop signals finish the step
+    stops.begin(), stops.ranks_met()    # the preflight's end; after init_process_group (see begin)
     stops.shield_workers(loader, ...)   # DataLoader workers leave a stop to the process that reads them
     if stops.requested(loss): break     # each optimizer step votes, and reads the vote of the step before
     stops.save_if_stopped(epoch, step, steps_per_epoch, save)   # after an epoch's steps: save there and end
@@ -31,7 +33,7 @@ from job import log
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 _state = SimpleNamespace(signal=None, signal_time=0.0, handlers=None, vote=None, decision=None, steps=0,
-                         deferring=False, begun=False, waiting=False, problem=None)
+                         deferring=False, begun=False, problem=None)
 
 
 class Interrupted(Exception):
@@ -41,15 +43,17 @@ class Interrupted(Exception):
 # --- signals ----------------------------------------------------------------------------------------------------
 def install(training=True):
     """A run starts with no signal seen. A training run's stop signals (STOP_SIGNALS): before the preflight has ended
-    (begin()) and, with a process group, before the ranks have met, nothing is trained and nothing waits for this
-    process, and the run ends at once (Interrupted); after, the signal is noted and acted on where every rank can
-    stop together (requested, stop_after_epoch), instead of killing the process mid-step. Other runs (-e, the
-    preflight) keep their own handlers: a stop ends them."""
+    (begin()), nothing is trained and nothing waits for this process, and the run ends at once (Interrupted); after,
+    the signal is noted and acted on where every rank can stop together (requested, stop_after_epoch), instead of
+    killing the process mid-step. Other runs (-e, the preflight) keep their own handlers: a stop ends them."""
     _state.signal, _state.vote, _state.decision, _state.steps, _state.problem = None, None, None, 0, None
-    _state.deferring = _state.begun = _state.waiting = False
+    _state.deferring = _state.begun = False
     if training:
         _state.handlers = {signum: signal.signal(signum, _on_signal) for signum in STOP_SIGNALS}
-        sys.stdout, sys.stderr = _Terminal(sys.stdout), _Terminal(sys.stderr)
+        if sys.stdout is not None:  # (None: this process was started with its output closed)
+            sys.stdout = _Terminal(sys.stdout)
+        if sys.stderr is not None:
+            sys.stderr = _Terminal(sys.stderr)
 
 
 @contextmanager
@@ -66,15 +70,22 @@ def deferred():
 
 
 def begin():
-    """The preflight has ended: from here a stop saves first. With a process group, not before the first training
-    step: init_process_group waits for the other ranks inside torch's C++, which retries a call a signal interrupts
-    and so never lets a Python handler run (a stop would wait out --dist-timeout). Until then the stop signals keep
-    their default, which ends the process at once; requested() takes them back."""
+    """The preflight has ended: from here a stop saves first. With a process group, once the ranks have met
+    (ranks_met()): init_process_group waits for them inside torch's C++, which retries a call a signal interrupts and
+    so never lets a Python handler run (a stop would wait out --dist-timeout). Meanwhile the stop signals do what
+    they did before this run (a signal ignored, as run.sh has torchrun ignore SIGUSR1, stays ignored), or their
+    default, which ends the process at once."""
     _state.begun = True
     if job.env().distributed and _state.handlers is not None:
+        for signum, before in _state.handlers.items():
+            signal.signal(signum, signal.SIG_IGN if before == signal.SIG_IGN else signal.SIG_DFL)
+
+
+def ranks_met():
+    """After init_process_group: the ranks have met, and a stop is noted again, to save at the next step."""
+    if _state.handlers is not None:
         for signum in STOP_SIGNALS:
-            signal.signal(signum, signal.SIG_DFL)
-        _state.waiting = True
+            signal.signal(signum, _on_signal)
 
 
 def _before_training():
@@ -93,8 +104,6 @@ def restore():
 
 
 def _on_signal(signum, frame):
-    if signum == signal.SIGHUP:
-        _leave_the_terminal()
     if _state.signal is None:
         _state.signal, _state.signal_time = signum, time.time()
         if _before_training() and not _state.deferring:
@@ -104,14 +113,6 @@ def _on_signal(signum, frame):
         os.kill(os.getpid(), signum)
 
 
-def _leave_the_terminal():
-    """SIGHUP: the terminal this process printed to has closed. A write there fails (EIO) and would end the run
-    before it saved: what it prints from now on goes nowhere instead (output sent to a file stays as it is)."""
-    for fd in (1, 2):
-        if os.isatty(fd):
-            _send_nowhere(fd)
-
-
 def _send_nowhere(fd):
     nowhere = os.open(os.devnull, os.O_WRONLY)
     os.dup2(nowhere, fd)
@@ -119,9 +120,10 @@ def _send_nowhere(fd):
 
 
 class _Terminal:
-    """sys.stdout or sys.stderr while a training run prints: a write that a closed terminal refuses (EIO; a closed pipe,
-    EPIPE) sends what this process prints nowhere from then on, as SIGHUP does, instead of raising mid-step. A
-    line printed between the terminal's closing and SIGHUP's arrival would otherwise end the run unsaved."""
+    """sys.stdout or sys.stderr while a training run prints. A write that a closed terminal refuses (EIO; a closed
+    pipe: EPIPE) sends what it prints nowhere from then on; one a full disk refuses (a log file) loses that line.
+    Either would otherwise raise mid-step and end the run unsaved: after the terminal closes (SIGHUP), a line may
+    be printed before the stop is read, and torchrun would then restart the workers into the closed terminal."""
 
     def __init__(self, stream):
         self.stream = stream
@@ -130,9 +132,10 @@ class _Terminal:
         try:
             return method(*args)
         except OSError as error:
-            if error.errno not in (errno.EIO, errno.EPIPE):
+            if error.errno in (errno.EIO, errno.EPIPE):
+                _send_nowhere(self.stream.fileno())
+            elif error.errno not in (errno.ENOSPC, errno.EDQUOT):
                 raise
-            _send_nowhere(self.stream.fileno())
             return None
 
     def write(self, text):
@@ -159,8 +162,6 @@ def stop_signal():
             name = "TERM"  # gone again (run.sh ended) or unreadable: it was there, a stop was asked for
         _state.signal = int(getattr(signal, f"SIG{name}", signal.SIGTERM))
         _state.signal_time = time.time()
-        if _state.signal == signal.SIGHUP:
-            _leave_the_terminal()
     return _state.signal
 
 
@@ -249,16 +250,17 @@ class StopVote:
 def requested(loss):
     """Each optimizer step, on every rank: this step's vote cast, the one before read. -> whether every rank stops
     now (they all read the same decision)."""
-    if _state.waiting:  # the ranks have met and trained a step: stops are noted again (begin())
-        _state.waiting = False
-        for signum in STOP_SIGNALS:
-            signal.signal(signum, _on_signal)
     if _state.vote is None:
         _state.vote = StopVote(loss.device)
     _state.steps += 1
     decision = _state.vote.cast(loss)
     _state.decision = _state.decision or decision
     return decision is not None
+
+
+def write_problem():
+    """The line of a file rank 0 could not write, while the ranks have not yet stopped on it; or None."""
+    return _state.problem
 
 
 def write_failed(message):

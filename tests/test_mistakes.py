@@ -751,7 +751,7 @@ def test_a_folder_in_use_is_refused_to_another_run_and_taken_over_from_a_dead_on
         predictions = os.path.join(out, "predictions")  # predict.py's pictures among the files of a run that writes
         line = _predict_fails(["--resume", os.path.join(out, "best.pth"), os.path.join(out, "vis"), "--output-dir",
                                predictions, "-j", "0"], capsys)
-        assert (f"--output-dir {predictions} is inside {out}, which is in use by a training run (host "
+        assert (f"--output-dir {predictions} is inside {out}, which is in use by another run (host "
                 f"{socket.gethostname()}, process {holder.pid}): give another --output-dir") in line, line
         assert _snapshot(out) == before
     finally:
@@ -917,6 +917,11 @@ ADVICE = [  # (the mistake: argv after the common flags, its line's words, how i
      lambda argv, line: _replace(argv, "--model", re.search(r"give (--model \S+)", line).group(1).split())),
     (["--resume", "{bare}"], "it has weights only",
      lambda argv, line: argv + re.search(r"evaluate it with (-e)", line).group(1).split()),
+    (["--resume", "{bare}", "{no --model}"], "it has weights only",  # what it fits, which the default does not
+     lambda argv, line: argv + re.search(r"evaluate it with (-e --model \S+)", line).group(1).split()),
+    (["-e", "--resume", "{vision}"], "holds torchvision's own DeepLab",  # start afresh, from an ImageNet backbone
+     lambda argv, line: "(--pretrained-backbone) instead" in line and _replace(_replace(argv, "--resume", []), "-e",
+                                                                              [])),
     (["--resume", "{bare}"], "it has weights only",
      lambda argv, line: _replace(argv, "--resume", re.search(r"fine-tune from it with (--weights \S+)", line)
                                  .group(1).split())),
@@ -975,12 +980,16 @@ def test_each_piece_of_advice_followed_as_written_ends_that_mistake(tiny_data, t
                                                                     capsys):
     """Each mistake's line gives advice; the command it advises (made from the line's own words) gets past it: the
     preflight (--check-only, which writes nothing) then passes, or meets another mistake, never the same one."""
+    vision = str(tmp_path / "torchvision.pth")
+    torch.save({"backbone.0.0.weight": torch.zeros(1), "classifier.0.convs.0.0.weight": torch.zeros(1)}, vision)
     names = {"best": os.path.join(trained, "best.pth"), "bare": bare_weights, "data": tiny_data,
-             "fresh": str(tmp_path)}
+             "fresh": str(tmp_path), "vision": vision}
     common = ["--data", tiny_data, "--output-dir", str(tmp_path / "{}"), *TRAIN_ARGS, "--epochs", "1"]
     for number, (extra, words, follow) in enumerate(ADVICE):
         argv = [word.format(**names) for word in common[:3] + [common[3].format(number)] + common[4:]
-                + (["--check-only", "1"] if "--check-only" not in extra else []) + extra]
+                + (["--check-only", "1"] if "--check-only" not in extra else []) + extra if word != "{no --model}"]
+        if "{no --model}" in extra:
+            argv = _replace(argv, "--model", [])
         line = _main_fails(argv, capsys)
         assert words in line, (extra, line)
         advised = follow(argv, line)

@@ -1,5 +1,6 @@
 """Nothing lost: exact resume, preemption, a killed or hung rank, bad checkpoints, a diverging loss.
 Each runs main.py as a user would (run.sh or plain processes), on the CPU with gloo."""
+import contextlib
 import json
 import os
 import pty
@@ -136,11 +137,15 @@ def test_preempted_mid_epoch_resumes_at_next_batch_and_matches(data24, straight,
         os.chdir(ROOT)
         os.execve("./run.sh", ["./run.sh", "--epochs", "2", "--resume", "auto", *SLOW_ARGS],
                   {**CPU_ENV, **env, "MASTER_PORT": str(free_port()), "MAX_RESTARTS": "0"})
-    log = _read_terminal(terminal, f"epoch 0 step {first['step'] + 1}/6")  # the next unseen batch, not step 1
-    assert "epoch 0 step 1/6" not in log
-    _read_terminal(terminal, "epoch 1 step 2/6")
-    os.close(terminal)
-    assert _exit_status(pid, timeout=120) == 0
+    try:
+        log = _read_terminal(terminal, f"epoch 0 step {first['step'] + 1}/6")  # the next unseen batch, not step 1
+        assert "epoch 0 step 1/6" not in log
+        _read_terminal(terminal, "epoch 1 step 2/6")
+        os.close(terminal)
+        assert _exit_status(pid, timeout=120) == 0
+    finally:  # (torchrun and its workers, in a session of their own, go with the test's folder: conftest)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pid, signal.SIGKILL)
     second = _checkpoint(out)
     assert second["epoch"] == 1 and 2 <= second["step"] < 6, second["step"]
 
@@ -157,7 +162,7 @@ def test_second_signal_exits_at_once(data24, tmp_path):
     slow = [a if a != "32" else "512" for a in TRAIN_ARGS]
     process = _start([PY, "main.py", "--data", data24, "--output-dir", str(tmp_path), "--epochs", "50", *slow], {})
     _wait_for(process, "step 1/")
-    process.send_signal(signal.SIGTERM)
+    process.send_signal(signal.SIGUSR2)  # noted, as every stop signal (its default would end the process at once)
     time.sleep(1.2)  # a repeat within a second counts as the same signal (a launcher passing it on)
     process.send_signal(signal.SIGTERM)
     log = process.communicate(timeout=60)[0]

@@ -132,19 +132,21 @@ def test_ctrl_c_while_run_sh_prepares_says_so_in_one_line_and_leaves_nothing(mom
     assert not processes_mentioning(str(tmp_path))
 
 
-def test_sigterm_to_the_whole_process_group_saves_and_exits_0(data24, tmp_path):
-    """`timeout`, `kill -- -PGID` and schedulers signal every process of a job, the DataLoader's workers too: they
-    leave the stop to the training process, which saves where it is."""
+def test_a_stop_to_the_whole_process_group_saves_and_exits_0(data24, tmp_path):
+    """`timeout`, `kill -- -PGID` and schedulers signal every process of a job, the DataLoader's workers too (here
+    SIGUSR1, as Slurm's --signal=USR1 sends it, and a SIGTERM right after it): they leave the stop to the training
+    process, which saves where it is."""
     out = str(tmp_path / "out")
     process = _start_in_its_own_group([sys.executable, "main.py", "--data", data24, "--output-dir", out, "--epochs",
                                        "1", *TRAIN_ARGS, "-j", "1"], CPU_ENV)  # a worker (the last -j wins)
     for line in process.stdout:
         if "step 2/" in line:
             break
-    os.killpg(process.pid, signal.SIGTERM)
+    os.killpg(process.pid, signal.SIGUSR1)
+    os.killpg(process.pid, signal.SIGTERM)  # within a second: the same stop, sent again
     output = process.communicate(timeout=60)[0]
     assert process.returncode == 0 and "Traceback" not in output, output
-    assert "stopped by signal 15 at epoch 0 step" in output, output
+    assert f"stopped by signal {int(signal.SIGUSR1)} at epoch 0 step" in output, output
     assert 2 <= checkpoints.read("--resume", os.path.join(out, "checkpoint.pth"))["step"] < 12
 
 
