@@ -307,7 +307,7 @@ def checkpoint_check(rounds=5, model_name="deeplabv3plus_resnet101"):
     checked against the one torch.save wrote, then torch.load); the CRC-32 check alone; and a SHA-256 of the same
     bytes, what the digest checkpoints carried before cost (it hashed every tensor). -> ({way: seconds}, bytes)."""
     import hashlib
-    import checkpoints
+    from harness import checkpoints
     torch.set_num_threads(1)
     model = build_model(model_name, dataset.NUM_CLASSES)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)

@@ -10,19 +10,15 @@ classes.json in plain folders), and the augmentation.
 Workers hand over uint8 (4 bytes a pixel with the label, not 13) and leave the float conversion to the
 GPU. With cache_dir, each frame is decoded once and then read as an uncompressed array, memory-mapped:
 a worker reads only the rows of its crop, and the page cache is shared by every worker and rank.
-Fill the cache before training (optional: the first epoch fills it too):
+Fill the cache before training (optional: the first epoch fills it too), from the repository's root:
 
-    python dataset.py --prepare-cache data/cache --data data/cityscapes --split train val
+    python -m harness.cache data/cache --data data/cityscapes --split train val
 
 No real data at hand? synthetic.py writes a set in either layout.
 """
-import argparse
-import contextlib
 import glob
 import json
-import multiprocessing
 import os
-import sys
 
 import numpy as np
 import torch
@@ -505,58 +501,3 @@ def open_dataset(root, split="train", **options):
                        "the archives there (docs/cityscapes.md)")
     own = os.path.exists(os.path.join(root, "classes.json")) or os.path.isdir(os.path.join(root, "images"))
     return (FolderDataset if own else Cityscapes)(root, split, **options)
-
-
-_preparing = None  # the data set a prepare_cache worker process fills the cache for
-
-
-def _set_preparing(data):
-    global _preparing
-    _preparing = data
-
-
-def _cache_frame(index):
-    _preparing.frame(index)  # returns nothing: no pixels travel back to the parent process
-
-
-def prepare_cache(root, cache_dir, splits, workers):
-    """Decode every frame of the splits into cache_dir, `workers` processes at a time (0: in this one). The
-    cache folder is checked first: not the data set nor inside it, made where it is missing."""
-    import paths  # the harness's folder checks: only this command of the module needs them, training does not
-    paths.check_folder("--prepare-cache", cache_dir, reads=[("--data", root)])
-    sets = [open_dataset(root, split, cache_dir=cache_dir) for split in splits]  # every split found, then written
-    paths.make_folder("--prepare-cache", cache_dir)
-    for split, data in zip(splits, sets):
-        _set_preparing(data)
-        with multiprocessing.Pool(workers, initializer=_set_preparing, initargs=(data,)) if workers else \
-                contextlib.nullcontext() as pool:
-            frames = pool.imap_unordered(_cache_frame, range(len(data)), chunksize=4) if pool else \
-                map(_cache_frame, range(len(data)))
-            for done, _ in enumerate(frames, 1):
-                if done % 100 == 0 or done == len(data):
-                    print(f"{split}: {done}/{len(data)} frames cached", flush=True)
-    size = sum(os.path.getsize(os.path.join(cache_dir, f)) for f in os.listdir(cache_dir) if f.endswith(".npy"))
-    print(f"{cache_dir} holds {size / 2**30:.2f} GiB")
-
-
-def get_args_parser():
-    parser = argparse.ArgumentParser(prog="dataset.py", description="Fill the decode cache: every frame of --data's "
-                                     "splits decoded once into CACHE_DIR (optional: training fills it as it reads).")
-    parser.add_argument("--prepare-cache", metavar="CACHE_DIR", required=True, help="the cache folder (--cache-dir)")
-    parser.add_argument("--data", default="data/cityscapes", help="the data set's root")
-    parser.add_argument("--split", nargs="+", choices=("train", "val", "test"), default=["train", "val"])
-    parser.add_argument("-j", "--workers", type=int, default=os.cpu_count(),
-                        help="processes decoding at once; 0: this one")
-    return parser
-
-
-if __name__ == "__main__":
-    from errors import UserError
-    parser = get_args_parser()
-    args = parser.parse_args()
-    if args.workers < 0:
-        parser.error(f"argument -j/--workers: {args.workers} must be at least 0")
-    try:
-        prepare_cache(args.data, args.prepare_cache, args.split, args.workers)
-    except (BadInput, UserError) as error:
-        sys.exit(f"dataset.py: error: {error}")

@@ -13,7 +13,7 @@ each marked "harness". What remains (Steps 1-4, the training step with gradient 
 saving a checkpoint and resuming from one) runs on torch, models.py and dataset.py alone: `python tests/lesson.py`
 prints it, and the tests run it. The harness attaches what a real run needs beside it: every mistake found before
 any work and said in one line, a stop that saves where the ranks are, a lost peer named, --resume auto, metrics and
-pictures (preflight.py, checkpoints.py, stops.py, records.py, recovery.py, inference.py).
+pictures (harness/preflight.py, harness/checkpoints.py, harness/stops.py, harness/records.py, harness/recovery.py, harness/inference.py).
 """
 import argparse
 import contextlib
@@ -31,12 +31,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Subset
 from torch.utils.data.distributed import DistributedSampler
 
-import checkpoints
-import inference
-import preflight
-import records
-import recovery
-import stops
+from harness import checkpoints, inference, preflight, records, recovery, stops
 from dataset import IGNORE_INDEX, SkipFirst, default_workers, normalize, open_dataset
 from models import MODEL_NAMES, build_model
 
@@ -250,7 +245,7 @@ def train_one_epoch(model, optimizer, scaler, loader, device, epoch, first_step,
                 f"eta {timedelta(seconds=round(eta))} peak mem {peak_memory_gib(device):.2f} GiB")
             records.draw(epoch * steps_per_epoch + step + 1, mean_loss, lr, images_per_step / step_time)  # harness
             printed = (now, steps, data_wait)
-        if stops.requested(loss):  # harness: every rank stops at the same step: a signal, or a NaN (stops.py)
+        if stops.requested(loss):  # harness: every rank stops at the same step: a signal, or a NaN (harness/stops.py)
             break
     elapsed = max(time.time() - start, 1e-9)
     sums = torch.zeros(world_size + 1, device=device)  # the loss, and each rank's peak memory in its own place
@@ -387,7 +382,7 @@ def make_optimizer(model, args):
                            lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay)
 
 
-@recovery.guarded("main.py")  # harness: a mistake in one line, a lost peer named, signals (recovery.py)
+@recovery.guarded("main.py")  # harness: a mistake in one line, a lost peer named, signals (harness/recovery.py)
 def main(args):
     args.resume = preflight.start(args)  # harness: every flag checked; --resume auto, a torchrun restart: a path
     train_set, val_set, model, checkpoint = build(args)

@@ -37,16 +37,9 @@ import torch.distributed as dist
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 
-import checkpoints
-import checks
-import inference
-import job
-import paths
-import records
-import recovery
-import stops
+from harness import checkpoints, checks, inference, job, paths, records, recovery, stops
 from dataset import CLASS_NAMES, TRAINID_TO_ID, default_workers, normalize
-from errors import fail, first_line
+from harness.errors import fail, first_line
 from images import read_image
 
 EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".tif", ".tiff")
@@ -260,7 +253,7 @@ def predict_all(args, model, classes, shard, mode, device, autocast, label_folde
     return done, failed
 
 
-@recovery.guarded("predict.py")  # a mistake ends in one line, said once (recovery.py)
+@recovery.guarded("predict.py")  # a mistake ends in one line, said once (harness/recovery.py)
 def main(args):
     checks.check_numbers(args, checks.PREDICT)
     mode = inference.read_mode(args)

@@ -22,9 +22,9 @@ import numpy as np
 import torchvision
 from PIL import Image, ImageDraw
 
-import paths
-from checks import Range, check_numbers
-from errors import UserError
+from harness import paths
+from harness.checks import Range, check_numbers
+from harness.errors import UserError
 from dataset import IGNORE_INDEX, palette_of
 
 _TABLE = torchvision.datasets.Cityscapes.classes  # the official label table: ids, categories, colours

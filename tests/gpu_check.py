@@ -203,7 +203,7 @@ def plan(sizes, tmp, dry):
         ("buckets", [PY, "bench.py", "--bucket-views", *(["--quick"] if dry else ["--gpu"])],
          {"CUDA_VISIBLE_DEVICES": ""} if dry else {}),
         ("program", ["./run.sh", *rate], {**cpu, "DATA": full, "OUTPUT_DIR": os.path.join(tmp, "o_png")}),
-        ("fill cache", [PY, "dataset.py", "--prepare-cache", cache, "--data", full, "-j", str(os.cpu_count())], {}),
+        ("fill cache", [PY, "-m", "harness.cache", cache, "--data", full, "-j", str(os.cpu_count())], {}),
         ("cached", ["./run.sh", *rate, "-j", "4", "--cache-dir", cache],
          {**cpu, "DATA": full, "OUTPUT_DIR": os.path.join(tmp, "o_cache")}),
         ("resume 1", ["./run.sh", *small_run, "-b", "8", "--epochs", "1", "--amp", sizes["amp"], "-p", "50"],
@@ -404,7 +404,7 @@ def main():
         import onnxruntime
         import torch
         sys.path.insert(0, ROOT)
-        import checkpoints
+        from harness import checkpoints
         model, _ = checkpoints.load_for_inference(os.path.join(tmp, "o_resume", "checkpoint.pth"))
         images = torch.randn(1, 3, 64, 128)
         with torch.no_grad():

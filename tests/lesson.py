@@ -1,29 +1,29 @@
-"""main.py's lesson: main.py without its harness, every statement that names another module of this project (or a
-name imported from one) taken out. What remains is the DDP tutorial's program, finished: Steps 1-4, the training
-step with gradient accumulation, the exact evaluation, saving a checkpoint and resuming from one with --resume
-PATH, on torch, models.py and dataset.py (which reads files through images.py) alone.
+"""main.py's lesson: main.py without its harness, every statement that names the harness package (harness/: a
+module main.py imports from it, or a name imported from one) taken out. What remains is the DDP tutorial's
+program, finished: Steps 1-4, the training step with gradient accumulation, the exact evaluation, saving a
+checkpoint and resuming from one with --resume PATH, on torch, models.py and dataset.py (which reads files through
+images.py) alone.
 
     python tests/lesson.py                 # prints it, with a note of what was taken out (on stderr)
     python tests/lesson.py > my_ddp.py     # to read it beside the tutorial, or to start a project from it
 
-The rule, in full: a statement is taken out when it names such a module (as main.py imports it) or name; a
-compound statement (if, for, with, def) when its header does, else what is inside it is looked at the same way;
-a decorator that names one is taken out, the function stays. A name bound only by a statement taken out is such
-a name too (then a statement of the lesson that uses it would go as well: tests/test_lesson.py proves none
-does). A block left empty gets pass, and a paragraph of main.py's docstring that speaks of the harness goes too.
+The rule, in full: the harness is what comes from harness/. A statement is taken out when it names such a module
+(as main.py imports it) or name; a compound statement (if, for, with, def) when its header does, else what is
+inside it is looked at the same way; a decorator that names one is taken out, the function stays. A name bound
+only by a statement taken out is such a name too (then a statement of the lesson that uses it would go as well:
+tests/test_lesson.py proves none does). A block left empty gets pass, and a paragraph of main.py's docstring that
+speaks of the harness goes too.
 """
 import ast
-import glob
 import os
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-LESSON_MODULES = ("models", "dataset")  # the tutorial's own two imports; dataset.py reads files through images.py
+HARNESS = "harness"  # the package: whatever comes from it is the harness
 
 
-def harness_modules():
-    return {os.path.splitext(os.path.basename(path))[0] for path in glob.glob(os.path.join(ROOT, "*.py"))} \
-        - set(LESSON_MODULES)
+def _from_harness(module):
+    return module is not None and (module == HARNESS or module.startswith(HARNESS + "."))
 
 
 def _names(node):
@@ -45,11 +45,11 @@ def _header(statement):
     return names
 
 
-def _imports(statement, modules):
-    """The harness's names an import statement brings in (import checkpoints; from errors import fail)."""
+def _imports(statement):
+    """The harness's names an import statement brings in (from harness import stops; import harness.job)."""
     if isinstance(statement, ast.Import):
-        return {alias.asname or alias.name for alias in statement.names if alias.name in modules}
-    if isinstance(statement, ast.ImportFrom) and statement.module in modules:
+        return {(alias.asname or alias.name).split(".")[0] for alias in statement.names if _from_harness(alias.name)}
+    if isinstance(statement, ast.ImportFrom) and _from_harness(statement.module):
         return {alias.asname or alias.name for alias in statement.names}
     return set()
 
@@ -70,10 +70,9 @@ def harness_statements(source):
     """-> (the harness's statements and decorators as [(first line, last line, indirect)], names taken out).
     indirect: taken out only because it uses a name a harness statement bound, not a module's."""
     tree = ast.parse(source)
-    modules = harness_modules()
     harness = set()
     for node in tree.body:  # the harness's modules as main.py imports them, and the names it imports from them
-        harness |= _imports(node, modules)
+        harness |= _imports(node)
     direct = set(harness)
     while True:
         taken, kept_bindings = [], set()
@@ -93,7 +92,7 @@ def harness_statements(source):
                     for block in _blocks(statement):
                         visit(block)
                 else:
-                    used = _names(statement) | _imports(statement, modules)
+                    used = _names(statement) | _imports(statement)
                     if used & harness:
                         taken.append((statement.lineno, statement.end_lineno, not used & direct))
                     else:

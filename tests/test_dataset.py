@@ -275,7 +275,8 @@ def test_a_damaged_cache_file_is_rebuilt_not_trusted(tiny_data, tmp_path, damage
 
 def test_prepare_cache_fills_the_cache_that_training_reads(tiny_data, tmp_path):
     cache_dir = str(tmp_path / "cache")
-    dataset.prepare_cache(tiny_data, cache_dir, ["train", "val"], workers=2)
+    from harness.cache import prepare_cache
+    prepare_cache(tiny_data, cache_dir, ["train", "val"], workers=2)
     assert len(glob.glob(os.path.join(cache_dir, "*.npy"))) == 2 * (8 + 5)
     data = Cityscapes(tiny_data, "train", crop_size=(24, 24), cache_dir=cache_dir)
     assert all(isinstance(array, np.memmap) for index in range(len(data)) for array in data.frame(index))

@@ -1,4 +1,4 @@
-"""inference.py: multi-scale, flip and sliding window give the plain evaluation back where they should."""
+"""harness/inference.py: multi-scale, flip and sliding window give the plain evaluation back where they should."""
 import argparse
 import json
 import sys
@@ -8,8 +8,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from conftest import TRAIN_ARGS
-import errors
-import inference
+from harness import errors, inference
 import main
 from dataset import NUM_CLASSES, Cityscapes
 from models import build_model

@@ -11,11 +11,8 @@ import sys
 import pytest
 import torch
 
-import checkpoints
-import errors
 import main
-import paths
-import stops
+from harness import checkpoints, errors, paths, stops
 from conftest import ROOT, TRAIN_ARGS
 
 
@@ -94,7 +91,7 @@ def test_numbers_out_of_range_are_refused_before_any_work(argv, expect, tmp_path
             main.get_args_parser().parse_args(argv)
         assert exit_info.value.code == 2
         line = _one_error_line(capsys)
-    else:  # parsed with plain types; checked first thing, in one line (checks.py)
+    else:  # parsed with plain types; checked first thing, in one line (harness/checks.py)
         line = _main_fails(["--data", str(tmp_path / "data"), "--output-dir", str(tmp_path / "out"), *argv], capsys)
         assert not os.path.exists(tmp_path / "out")
     assert expect in line, line
@@ -320,7 +317,7 @@ def test_the_data_set_is_never_where_the_run_writes(tiny_data, previous_run, cap
 def test_the_advice_after_a_stop_continues_the_run_instead_of_starting_over(tiny_data, trained, tmp_path,
                                                                               monkeypatch, capsys):
     import dataset
-    import recovery
+    from harness import recovery
     import signal
     out = str(tmp_path / "out")
     shutil.copytree(trained, out)
@@ -548,14 +545,14 @@ def test_a_generated_data_set_never_lands_on_files(tmp_path):
 
 
 def test_the_decode_cache_stays_out_of_the_data_set_and_minus_j_0_means_this_process(tiny_data, tmp_path):
-    import dataset
+    from harness.cache import prepare_cache
     data = str(tmp_path / "data")
     shutil.copytree(tiny_data, data)
     before = _snapshot(data)
-    with pytest.raises(errors.UserError, match="--prepare-cache .* is inside --data"):
-        dataset.prepare_cache(data, os.path.join(data, "cache"), ["val"], workers=0)
+    with pytest.raises(errors.UserError, match="CACHE_DIR .* is inside --data"):
+        prepare_cache(data, os.path.join(data, "cache"), ["val"], workers=0)
     assert _snapshot(data) == before
-    dataset.prepare_cache(data, str(tmp_path / "cache"), ["val"], workers=0)  # no pool: in this process
+    prepare_cache(data, str(tmp_path / "cache"), ["val"], workers=0)  # no pool: in this process
     assert len(os.listdir(tmp_path / "cache")) == 2 * 5
 
 
@@ -677,7 +674,7 @@ def _runs_out_of_memory(monkeypatch, when, cpu=False):
     """DeepLab's forward raises torch.OutOfMemoryError (as CUDA's allocator does; cpu: the RuntimeError the CPU's
     allocator raises) when when(calls, training) says; the device's memory reads 24 GiB, 22.5 at the peak."""
     import models
-    import recovery
+    from harness import recovery
     forward, calls = models.DeepLab.forward, []
 
     def forward_or_out_of_memory(self, images):
@@ -724,7 +721,7 @@ def test_out_of_memory_in_predict_py_ends_in_one_line(trained, tmp_path, monkeyp
 
 # --- one folder, one run ------------------------------------------------------------------------------------------
 HOLDER = """import sys, time, types
-import paths
+from harness import paths
 paths.hold_output(types.SimpleNamespace(output_dir=sys.argv[1], check_only=None, evaluate=False))
 print("held", flush=True)
 time.sleep(120)

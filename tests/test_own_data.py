@@ -12,12 +12,11 @@ import pytest
 import torch
 from PIL import Image
 
-import checkpoints
 import dataset
 import images
 import main
 import predict
-import job
+from harness import checkpoints, job
 from conftest import ROOT, TRAIN_ARGS
 from dataset import FolderDataset, default_colors, open_dataset
 from models import build_model

@@ -12,7 +12,7 @@ import pytest
 import torch
 from PIL import Image
 
-import checkpoints
+from harness import checkpoints
 from conftest import ROOT, TRAIN_ARGS, free_port, run
 from dataset import CLASS_COLORS, TRAINID_TO_ID
 from test_inference import varied_model

@@ -75,21 +75,53 @@ def _depth(node, level=0):
     return deepest
 
 
-def test_no_module_of_the_project_imports_another_in_a_circle():
+def _project_imports():
+    """{module: the project's modules it imports anywhere in its file}, the harness's as harness.NAME (a relative
+    import resolved), the top level's by their names."""
     import ast
-    modules = {name[:-3] for name in os.listdir(ROOT) if name.endswith(".py")}
+    import glob
+    files = {os.path.splitext(os.path.relpath(path, ROOT))[0].replace(os.sep, "."): path
+             for path in glob.glob(os.path.join(ROOT, "*.py")) + glob.glob(os.path.join(ROOT, "harness", "*.py"))}
+    files["harness"] = files.pop("harness.__init__")
     imports = {}
-    for module in modules:
-        with open(os.path.join(ROOT, module + ".py")) as f:
+    for module, path in files.items():
+        package = "harness" if module.startswith("harness") else ""
+        with open(path) as f:
             tree = ast.parse(f.read())
-        imports[module] = {alias.name for node in tree.body if isinstance(node, ast.Import) for alias in node.names} | {
-            node.module for node in tree.body if isinstance(node, ast.ImportFrom)}
-        imports[module] &= modules
+        found = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                found |= {alias.name for alias in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                base = package if node.level else node.module
+                base = f"{base}.{node.module}" if node.level and node.module else base
+                found |= {base} | {f"{base}.{alias.name}" for alias in node.names}
+        imports[module] = found & set(files)
+    return imports
+
+
+def test_no_module_of_the_project_imports_another_in_a_circle():
+    imports = _project_imports()
+    assert {"main", "harness.stops", "harness.cache"} <= set(imports) and "harness.stops" in imports["main"]
 
     def reaches(start, goal, seen=()):
         return any(other == goal or (other not in seen and reaches(other, goal, (*seen, other)))
                    for other in imports[start])
-    assert not [module for module in modules if reaches(module, module)]
+    assert not [module for module in imports if reaches(module, module)]
+
+
+def test_the_lesson_s_modules_import_nothing_of_the_harness():
+    """main.py imports harness/ in one statement; models.py, dataset.py and images.py never, not even inside a
+    function."""
+    imports = _project_imports()
+    for module in ("models", "dataset", "images"):
+        assert not {name for name in imports[module] if name.startswith("harness")}, (module, imports[module])
+    import ast
+    with open(os.path.join(ROOT, "main.py")) as f:
+        tree = ast.parse(f.read())
+    statements = [node for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom)) and "harness" in
+                  {alias.name.split(".")[0] for alias in node.names} | {(getattr(node, "module", "") or "").split(".")[0]}]
+    assert len(statements) == 1, [ast.unparse(node) for node in statements]
 
 
 def test_the_lesson_keeps_its_shape():

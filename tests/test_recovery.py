@@ -14,9 +14,7 @@ import time
 import pytest
 import torch
 
-import checkpoints
-import recovery
-import stops
+from harness import checkpoints, recovery, stops
 from conftest import ROOT, SLOW_ARGS, TRAIN_ARGS, free_port, processes_mentioning, run
 
 PY = sys.executable
@@ -366,7 +364,7 @@ def test_bad_file_found_when_read_names_it(case, tiny_data, tmp_path, capfd):
     if case == "truncated image":
         line = _fails_in_process(argv, capfd)
     else:  # as a program: it must also exit, its worker still running when the error ends main.py (it ignores
-        # SIGTERM, which multiprocessing's exit hook sends daemonic children before waiting for them: recovery.py)
+        # SIGTERM, which multiprocessing's exit hook sends daemonic children before waiting for them: harness/recovery.py)
         result = subprocess.run([sys.executable, "main.py", *argv], cwd=ROOT, env=CPU_ENV, capture_output=True,
                                 text=True, timeout=120)
         output = result.stdout + result.stderr
@@ -385,7 +383,7 @@ def test_run_sh_stops_a_mistake_before_torchrun_with_one_line(tiny_data, tmp_pat
         "main.py: error: --amp fp16 needs CUDA; on the CPU use --amp bf16 or no --amp"]
 
 
-# --- defects found by reading (each of these failed before recovery.py) ----------------------------------
+# --- defects found by reading (each of these failed before harness/recovery.py) ----------------------------------
 
 def _file_read_by_rank(root, rank, world_size=2, seed=0):
     """The training image that `rank` reads first in epoch 0 (main.py's sampler, seed and file order)."""

@@ -10,10 +10,9 @@ import time
 import pytest
 import torch
 
-import checkpoints
 import dataset
 import main
-import stops
+from harness import checkpoints, stops
 from conftest import ROOT, TRAIN_ARGS, free_port, processes_mentioning
 
 CPU_ENV = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}

@@ -448,7 +448,7 @@ def test_torch_save_writes_a_crc_32_for_each_record_and_one_attribute_bit_escape
 
 def test_a_dataloader_worker_ends_quietly_on_its_parents_sigterm_and_dies_of_anyone_elses():
     """torch's own handler in each worker: SIGTERM from the parent -> exit 0; from another process (a scheduler
-    signalling the whole job) -> killed by the signal, which the parent then raises mid-iteration (stops.py)."""
+    signalling the whole job) -> killed by the signal, which the parent then raises mid-iteration (harness/stops.py)."""
     import signal
     import time
 

@@ -26,10 +26,9 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 
-import job
-import paths
-from errors import Finished, fail
-from job import log
+from . import job, paths
+from .errors import Finished, fail
+from .job import log
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 _state = SimpleNamespace(signal=None, signal_time=0.0, handlers=None, vote=None, decision=None, steps=0,

@@ -15,9 +15,8 @@ from typing import NamedTuple
 
 import torch
 
-import job
-import paths
-from errors import fail
+from . import job, paths
+from .errors import fail
 
 
 class Range(NamedTuple):

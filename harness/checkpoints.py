@@ -24,12 +24,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-import job
-import paths
-import stops
+from . import job, paths, stops
 from dataset import CLASS_COLORS, CLASS_NAMES
-from errors import UserError, fail, first_line
-from job import log, named
+from .errors import UserError, fail, first_line
+from .job import log, named
 from models import MODEL_NAMES, build_model
 
 TRAINING_STATE = ("optimizer", "scaler", "epoch", "step", "best_miou")  # what resuming training needs

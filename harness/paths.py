@@ -20,9 +20,9 @@ import shutil
 import socket
 import time
 
-import job
-from errors import UserError, fail, first_line
-from job import named
+from . import job
+from .errors import UserError, fail, first_line
+from .job import named
 
 
 def inside(path, folder):

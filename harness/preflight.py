@@ -8,16 +8,10 @@ worker and again after each of torchrun's restarts. main.py calls it twice, befo
 """
 import torch
 
-import checkpoints
-import checks
-import inference
-import job
-import paths
-import records
-import stops
+from . import checkpoints, checks, inference, job, paths, records, stops
 from dataset import IGNORE_INDEX
-from errors import BadInput, Finished, fail
-from job import log, named
+from .errors import BadInput, Finished, fail
+from .job import log, named
 from models import MODEL_NAMES
 
 _run = {"start": checkpoints.Start()}  # start()'s decision, for check()

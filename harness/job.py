@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from errors import fail
+from .errors import fail
 
 
 @dataclass(frozen=True)

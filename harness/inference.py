@@ -21,7 +21,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from errors import fail
+from .errors import fail
 
 
 class Mode(NamedTuple):

@@ -26,12 +26,9 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 
-import job
-import paths
-import records
-import stops
-from errors import BadInput, Finished, UserError, fail, first_line
-from job import get_rank, get_world_size, is_main_process, log
+from . import job, paths, records, stops
+from .errors import BadInput, Finished, UserError, fail, first_line
+from .job import get_rank, get_world_size, is_main_process, log
 from models import WeightsError
 
 # This module's state, in one place: set as a run starts, read when it ends and by the heartbeat's thread.

@@ -17,13 +17,10 @@ from datetime import timedelta
 import torch
 from PIL import Image
 
-import inference
-import job
-import paths
-import stops
+from . import inference, job, paths, stops
 from dataset import CLASS_COLORS
-from errors import fail
-from job import is_main_process, log, named
+from .errors import fail
+from .job import is_main_process, log, named
 
 _run = {"writer": None, "estimated": False}  # TensorBoard's writer (rank 0, --tensorboard); the estimate said
 
