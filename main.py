@@ -1,6 +1,10 @@
 """Train DeepLab (V3, V3+) on Cityscapes, or your own data, with DistributedDataParallel: the DDP tutorial's four
-steps with its holes fixed, each marked "Step N". Three ways to launch it (a process per GPU; no GPU: gloo on the
-CPU), and any of them evaluates a checkpoint with -e --resume PATH instead of training:
+steps with its holes fixed, each marked "Step N". The tutorial is the widely read guide to DDP on one machine with
+several GPUs: 1. a --local_rank argument, 2. init_process_group(backend="nccl"), 3. DistributedDataParallel(model,
+device_ids=[local_rank], output_device=local_rank), 4. a DistributedSampler given to the DataLoader with
+shuffle=False, then `CUDA_VISIBLE_DEVICES=0,1 python -m torch.distributed.launch --nproc_per_node=2 main.py`.
+Three ways to launch this one (a process per GPU; no GPU: gloo on the CPU), and any of them evaluates a checkpoint
+with -e --resume PATH instead of training:
 
     torchrun --standalone --nproc_per_node=2 main.py --data data/cityscapes
     python -m torch.distributed.launch --nproc_per_node=2 main.py --data data/cityscapes   # deprecated
@@ -8,12 +12,19 @@ CPU), and any of them evaluates a checkpoint with -e --resume PATH instead of tr
 
 A fourth, CUDA_VISIBLE_DEVICES=0,1 ./run.sh, runs torchrun (one process per visible GPU) after the harness's checks.
 
-The lesson is this file with its harness taken out: every statement that names another module of this project,
-each marked "harness". What remains (Steps 1-4, the training step with gradient accumulation, the exact evaluation,
-saving a checkpoint and resuming from one) runs on torch, models.py and dataset.py alone: `python tests/lesson.py`
-prints it, and the tests run it. The harness attaches what a real run needs beside it: every mistake found before
-any work and said in one line, a stop that saves where the ranks are, a lost peer named, --resume auto, metrics and
-pictures (harness/preflight.py, harness/checkpoints.py, harness/stops.py, harness/records.py, harness/recovery.py, harness/inference.py).
+The lesson is this file with its harness taken out: every statement that names the package harness/, each marked
+"harness". What remains (Steps 1-4, the training step with gradient accumulation, the exact evaluation, saving a
+checkpoint and resuming from one) runs on torch, models.py and dataset.py (which reads files through images.py):
+`python tests/lesson.py` prints it, and the tests run it. The harness attaches what a real run needs beside it:
+every mistake found before any work and said in one line, a stop that saves where the ranks are, a lost peer named,
+--resume auto, metrics and pictures.
+
+What this file asks of the data and the model, all of it: open_dataset(root, split, ...) gives a torch Dataset of
+(uint8 image (3, H, W), uint8 label (H, W), 255 = ignore) with .classes ({"names": [...], "colors": [...]}),
+.num_classes, .epoch (set before each epoch: the augmentation's draw, which persistent workers see) and
+.save_prediction(index, prediction, folder); build_model(name, num_classes, output_stride, pretrained) gives an
+nn.Module whose forward returns logits at the input's size and whose .backbone holds the pretrained layers (they
+learn at --backbone-lr). Your own data or model needs only these.
 """
 import argparse
 import contextlib
@@ -107,7 +118,8 @@ def get_args_parser():
     return parser
 
 
-# Who is who. Before init_process_group (Step 2) every process is rank 0 of 1, and the lesson logs nothing then.
+# Who is who. Before init_process_group (Step 2) every process calls itself rank 0 of 1, so log() would print in
+# every process: main() logs nothing before Step 2.
 def get_rank():
     return dist.get_rank() if dist.is_initialized() else 0
 
@@ -279,11 +291,9 @@ def evaluate(model, loader, device, num_classes, args, save_dir=None):
     model: the unwrapped one. Through DDP, the first forward after training would broadcast rank 0's buffers (a
     collective hidden in the loop: sync_buffers did that already), and without gradients DDP adds nothing. The
     only collective is the final all_reduce, so ranks may hold different numbers of images. loader: Subset(val
-    set, this rank's indices), batch size 1. save_dir: write each prediction there.
-    -> (confusion, (image, label, prediction) of this rank's first image, for a picture)."""
+    set, this rank's indices), batch size 1. save_dir: write each prediction there. -> the confusion matrix."""
     model.eval()
     confusion = torch.zeros(num_classes * num_classes, dtype=torch.int64, device=device)
-    first = None
     for position, (images, labels) in enumerate(loader):
         images = images.to(device, non_blocking=True)
         labels = labels.to(device, non_blocking=True).long()
@@ -292,12 +302,10 @@ def evaluate(model, loader, device, num_classes, args, save_dir=None):
         labelled = labels != IGNORE_INDEX
         confusion += torch.bincount(labels[labelled] * num_classes + predictions[labelled],
                                     minlength=num_classes * num_classes)
-        if first is None:
-            first = (images[0].cpu(), labels[0].cpu(), predictions[0].cpu())
         if save_dir is not None:  # each rank its own images' files (Cityscapes: labelIds, as the evaluation wants)
             loader.dataset.dataset.save_prediction(loader.dataset.indices[position], predictions[0].cpu(), save_dir)
     all_reduce(confusion)
-    return confusion.view(num_classes, num_classes).cpu(), first
+    return confusion.view(num_classes, num_classes).cpu()
 
 
 def iou_from_confusion(confusion):
@@ -314,18 +322,17 @@ def iou_from_confusion(confusion):
 class Evaluation(NamedTuple):
     miou: float
     iou: torch.Tensor        # per class, NaN for a class absent from val
-    sample: tuple            # (image, label, prediction) of this rank's first val image
     seconds: float
 
 
 def validate(model, loader, device, classes, args, save_dir=None):
     """evaluate(), then the per-class IoU table printed. -> Evaluation."""
     start = time.time()
-    confusion, sample = evaluate(model, loader, device, len(classes["names"]), args, save_dir)
+    confusion = evaluate(model, loader, device, len(classes["names"]), args, save_dir)
     miou, iou = iou_from_confusion(confusion)
     lines = [f"  {name:<14} {value * 100:6.2f}" for name, value in zip(classes["names"], iou.tolist())]
     log("per-class IoU (%, nan: not in val):\n" + "\n".join(lines) + f"\n  {'mIoU':<14} {miou * 100:6.2f}")
-    return Evaluation(miou, iou, sample, time.time() - start)
+    return Evaluation(miou, iou, time.time() - start)
 
 
 def checkpoint_state(model, optimizer, scaler, args, classes, epoch, step, best_miou, epoch_loss_sum):
@@ -418,7 +425,10 @@ def main(args):
     model_to_evaluate = inference.wrap(model_to_evaluate, args)  # harness: -e's multi-scale, flip, sliding window
     if args.evaluate:
         evaluation = validate(model_to_evaluate, loaders.val, device, train_set.classes, args, args.save_predictions)
-        records.write_eval(args, evaluation, train_set.classes, len(val_set))  # harness: eval.json, its picture
+        log(f"evaluated {args.resume} on {len(val_set)} images in {evaluation.seconds:.1f} s: mIoU "
+            f"{evaluation.miou:.4f}")
+        picture = records.picture(model_to_evaluate, loaders.val, device, args)  # harness: the first val image's
+        records.write_eval(args, evaluation, picture, train_set.classes, len(val_set))  # harness: eval.json
     else:
         train(args, model, model_without_ddp, model_to_evaluate, checkpoint, train_set, loaders, device)
     if distributed:
@@ -539,11 +549,16 @@ def train(args, model, model_without_ddp, model_to_evaluate, checkpoint, train_s
         is_best = evaluation.miou > best_miou  # NaN (no val pixel to measure) is never the best
         best_miou = evaluation.miou if is_best else best_miou
         train_loss = epoch_loss_sum / (steps_per_epoch * world_size)
-        log(f"epoch {epoch}: train loss {train_loss:.4f}, {stats.images_per_s:.1f} img/s, mIoU "
-            f"{evaluation.miou:.4f} (best {best_miou:.4f})")
+        # A data wait near 100% means the GPUs starve for data; a rank 0 that needs more memory than the others
+        # would say that something gathers on it (DataParallel's first GPU did).
+        log(f"epoch {epoch}: train loss {train_loss:.4f}, {stats.images_per_s:.1f} img/s, data wait "
+            f"{stats.data_wait:.0%}, peak memory {stats.peak_memory_gib[0]:.2f} GiB (rank 0) / "
+            f"{max(stats.peak_memory_gib):.2f} (largest), mIoU {evaluation.miou:.4f} (best {best_miou:.4f})")
         state = checkpoint_state(model_without_ddp, optimizer, scaler, args, train_set.classes, epoch + 1, 0,
                                  best_miou, 0.0)
-        records.write_epoch(args, epoch, steps_per_epoch, stats, train_loss, evaluation, state, is_best)  # harness
+        picture = records.picture(model_to_evaluate, loaders.val, device, args)  # harness: the first val image's
+        records.write_epoch(args, epoch, steps_per_epoch, stats, train_loss, evaluation, picture, state,  # harness
+                            is_best)
         if is_main_process():
             save_checkpoint(state, checkpoint_path)
         epoch_loss_sum = 0.0

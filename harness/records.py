@@ -4,8 +4,9 @@ things are. A write that fails (a full disk) ends the run in one line.
 
     records.open_writer(args, first_iteration)        # the preflight: TensorBoard's writer, with --tensorboard
     records.draw(iteration, loss, lr, images_per_s)   # main.py's progress lines, as curves
-    records.write_epoch(args, epoch, steps_per_epoch, stats, train_loss, evaluation, state, is_best)
-    records.write_eval(args, evaluation, classes, num_images)   # -e
+    picture = records.picture(model, val_loader, device, args)  # rank 0's first val image, predicted again
+    records.write_epoch(args, epoch, steps_per_epoch, stats, train_loss, evaluation, picture, state, is_best)
+    records.write_eval(args, evaluation, picture, classes, num_images)   # -e
     records.say_where_things_are(args, best_miou)    # the end of training: the files, and what each is
 """
 import contextlib
@@ -17,8 +18,8 @@ from datetime import timedelta
 import torch
 from PIL import Image
 
-from . import inference, job, paths, stops
-from dataset import CLASS_COLORS
+from . import checks, inference, job, paths, stops
+from dataset import CLASS_COLORS, normalize
 from .errors import fail
 from .job import is_main_process, log, named
 
@@ -76,6 +77,20 @@ def colorize(labels, colors=CLASS_COLORS):
     return palette(colors)[labels.long()]
 
 
+@torch.inference_mode()
+def picture(model, loader, device, args):
+    """Rank 0: (image, label, prediction) of its first val image, for vis/ and TensorBoard; None on the other ranks.
+    main.py's evaluation keeps no image, so the model (the one evaluated: unwrapped, with -e's mode) predicts this
+    one again, as evaluate() did: the same pixels, the same prediction. No collective."""
+    if not is_main_process():
+        return None
+    image, label = loader.dataset[0]  # the val loader's Subset of rank 0's images: its first is the val set's first
+    model.eval()
+    with checks.autocast(args, device.type == "cuda")():
+        prediction = model(normalize(image[None].to(device))).argmax(1)[0].cpu()
+    return image, label, prediction
+
+
 def save_picture(path, sample, colors):
     """image | ground truth | prediction, side by side, in the classes' colours (ignore in black). -> the picture."""
     image, label, prediction = sample  # image: uint8 (3, H, W), as the data set gives it
@@ -84,12 +99,12 @@ def save_picture(path, sample, colors):
     return picture
 
 
-def write_epoch(args, epoch, steps_per_epoch, stats, train_loss, evaluation, state, is_best):
+def write_epoch(args, epoch, steps_per_epoch, stats, train_loss, evaluation, sample, state, is_best):
     """After an epoch's evaluation, before main.py saves checkpoint.pth (rank 0 alone): best.pth when the mIoU is the
     best yet, the picture, a line of metrics.jsonl, TensorBoard's points, and what the user should know. A run
     stopped between these writes resumes before this epoch, and writes them all again (continue_run_at drops the
     line). A write that fails is told to the ranks' vote after the epoch (stops.write_failed). stats:
-    main.EpochStats; evaluation: main.Evaluation; state: the checkpoint about to be saved."""
+    main.EpochStats; evaluation: main.Evaluation; sample: picture()'s; state: the checkpoint about to be saved."""
     if not is_main_process():
         return
     iteration = (epoch + 1) * steps_per_epoch
@@ -101,12 +116,12 @@ def write_epoch(args, epoch, steps_per_epoch, stats, train_loss, evaluation, sta
     try:
         if is_best:
             paths.write_atomically(os.path.join(args.output_dir, "best.pth"), lambda f: torch.save(state, f))
-        picture = save_picture(os.path.join(args.output_dir, "vis", f"epoch_{epoch:03d}.png"), evaluation.sample,
-                               state["classes"]["colors"])
+        drawn = save_picture(os.path.join(args.output_dir, "vis", f"epoch_{epoch:03d}.png"), sample,
+                             state["classes"]["colors"])
         with open(os.path.join(args.output_dir, "metrics.jsonl"), "a") as f:
             f.write(json.dumps(record) + "\n")
         if _run["writer"] is not None:
-            _draw_epoch(record, picture)
+            _draw_epoch(record, drawn)
     except (OSError, RuntimeError) as error:  # torch.save says a failed write as a RuntimeError
         if not hasattr(error, "free_mib"):
             paths.note_free_space(error, os.path.join(args.output_dir, "metrics.jsonl"))
@@ -135,7 +150,7 @@ def _draw_epoch(record, picture):
     writer.flush()
 
 
-def write_eval(args, evaluation, classes, num_images):
+def write_eval(args, evaluation, sample, classes, num_images):
     """-e (rank 0 alone): eval.json and the picture of the first val image. An earlier eval.json is replaced with a
     word that says what it held. A write that fails (a full disk) ends in one line."""
     if not is_main_process():
@@ -154,7 +169,7 @@ def write_eval(args, evaluation, classes, num_images):
               "mode": inference.describe(inference.read_mode(args)), "images_per_s": num_images / evaluation.seconds}
     try:
         paths.write_atomically(path, (json.dumps(result, indent=1) + "\n").encode())
-        save_picture(os.path.join(args.output_dir, "vis", "eval.png"), evaluation.sample, classes["colors"])
+        save_picture(os.path.join(args.output_dir, "vis", "eval.png"), sample, classes["colors"])
     except OSError as error:
         fail(f"cannot write in {args.output_dir} ({error.strerror or error}): free space there, or give -e another "
              f"{named('--output-dir')}", this_rank=True)

@@ -11,7 +11,6 @@ import torchvision
 from PIL import Image
 from torchvision.transforms.v2 import functional as F
 
-import dataset
 import images
 from dataset import (ID_TO_TRAINID, IGNORE_INDEX, MEAN, STD, TRAINID_TO_ID, BadInput, Cityscapes, normalize,
                      read_image, read_label, sample_generator, train_transform)

@@ -125,7 +125,7 @@ def _evaluate(rank, world_size, tmp, data):
     val_set = Cityscapes(data, "val")
     loader = DataLoader(Subset(val_set, main.eval_shard(len(val_set), rank, world_size)), batch_size=1)
     args = main.get_args_parser().parse_args([])
-    confusion, _ = main.evaluate(_tiny_model(seed=5), loader, torch.device("cpu"), NUM_CLASSES, args)
+    confusion = main.evaluate(_tiny_model(seed=5), loader, torch.device("cpu"), NUM_CLASSES, args)
     if rank == 0:
         torch.save(confusion, f"{tmp}/confusion_{world_size}.pt")
 

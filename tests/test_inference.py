@@ -46,7 +46,7 @@ def mode_of(argv):
 
 def confusion(model, tiny_data):
     loader = DataLoader(Cityscapes(tiny_data, "val"), batch_size=1)
-    return main.evaluate(model, loader, torch.device("cpu"), NUM_CLASSES, main.get_args_parser().parse_args([]))[0]
+    return main.evaluate(model, loader, torch.device("cpu"), NUM_CLASSES, main.get_args_parser().parse_args([]))
 
 
 @pytest.mark.parametrize("argv", [["--eval-scales", "1.0"], ["--eval-crop", "32", "64"], ["--eval-crop", "100"]],
@@ -101,3 +101,23 @@ def test_main_e_records_the_mode_and_its_speed(tiny_data, tmp_path):
         result = json.load(f)
     assert result["mode"] == "scales 0.75,1 + flip + window 24x24 stride 16x16"
     assert result["images_per_s"] > 0 and result["num_images"] == 5 and 0 <= result["miou"] <= 1
+
+
+def test_the_picture_shows_what_the_evaluation_predicted_for_the_first_val_image(tiny_data, tmp_path):
+    """The evaluation keeps no image: records.picture predicts rank 0's first val image again, with the model
+    evaluated (here with -e's flip), and gets what evaluate() wrote for it with --save-predictions."""
+    import numpy as np
+    from PIL import Image
+    from torch.utils.data import Subset
+    from dataset import TRAINID_TO_ID
+    from harness import records
+    val_set = Cityscapes(tiny_data, "val")
+    loader = DataLoader(Subset(val_set, main.eval_shard(len(val_set), 0, 2)), batch_size=1)
+    model = inference.wrap(varied_model(), args_of(["--eval-flip"]))
+    args = main.get_args_parser().parse_args([])
+    main.evaluate(model, loader, torch.device("cpu"), NUM_CLASSES, args, save_dir=str(tmp_path))
+    image, label, prediction = records.picture(model, loader, torch.device("cpu"), args)
+    saved = np.array(Image.open(tmp_path / f"{val_set.image_id(0)}_pred_labelIds.png"))
+    assert len(np.unique(saved)) >= 3  # several classes: the comparison means something
+    assert (TRAINID_TO_ID[prediction].numpy() == saved).all()
+    assert torch.equal(image, val_set[0][0]) and torch.equal(label, val_set[0][1])

@@ -1,8 +1,10 @@
 """main.py's lesson lifts whole: with its harness taken out (tests/lesson.py), it runs on torch, models.py and
 dataset.py alone, in a folder that holds nothing else of the project."""
 import ast
+import builtins
 import os
 import shutil
+import symtable
 import sys
 
 import torch
@@ -36,3 +38,39 @@ def test_without_its_harness_main_py_trains_evaluates_saves_and_resumes_on_two_p
     said = run(launch + ["--epochs", "2", "--resume", os.path.join(out, "checkpoint.pth")], cwd=str(folder))
     assert "epochs 1..1" in said and "epoch 1: train loss" in said and "epoch 0 step" not in said, said
     assert torch.load(os.path.join(out, "checkpoint.pth"), weights_only=True)["epoch"] == 2
+
+
+def leftovers(source):
+    """What pyflakes would say of a program's names, read from Python's own symbol tables: an import never used, a
+    local variable assigned and never read, a name used and defined nowhere. -> the problems, one line each."""
+    top = symtable.symtable(source, "lesson", "exec")
+    defined = {s.get_name() for s in top.get_symbols() if s.is_assigned() or s.is_imported() or s.is_namespace()}
+    used, problems = set(), []
+
+    def visit(table):
+        function = table.get_type() == "function"
+        for symbol in table.get_symbols():
+            name = symbol.get_name()
+            if symbol.is_referenced() and (not function or symbol.is_global() or symbol.is_free()):
+                used.add(name)
+            if function and symbol.is_local() and symbol.is_assigned() and not symbol.is_referenced() \
+                    and not symbol.is_parameter():
+                problems.append(f"{name} is assigned in {table.get_name()}() and never read")
+            if symbol.is_referenced() and (symbol.is_global() or not function) and name not in defined \
+                    and not hasattr(builtins, name):
+                problems.append(f"{name} is used in {table.get_name()} and defined nowhere")
+        for child in table.get_children():
+            visit(child)
+    visit(top)
+    return problems + [f"{s.get_name()} is imported and never used" for s in top.get_symbols()
+                       if s.is_imported() and s.get_name() not in used]
+
+
+def test_the_printed_lesson_has_no_leftovers():
+    """No import, variable or value left behind by the harness's removal (the check finds each kind: first shown)."""
+    found = leftovers("import os\nimport time\ndef f():\n    kept = os.getpid()\n    return missing\n")
+    assert sorted(found) == ["kept is assigned in f() and never read", "missing is used in f and defined nowhere",
+                             "time is imported and never used"], found
+    with open(os.path.join(ROOT, "main.py")) as f:
+        stripped, _ = lesson.strip(f.read())
+    assert leftovers(stripped) == []
