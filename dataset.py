@@ -214,6 +214,8 @@ class SegmentationFiles(torch.utils.data.Dataset):
                     mostly_ignored.append(label_path)
             try:
                 (width, height, turned), (label_width, label_height, _) = seen_size(image_path), seen_size(label_path)
+            except BadInput:
+                raise
             except Exception as error:
                 raise BadInput(f"{image_path} or its label cannot be read as an image ({error}); replace it, or "
                                "remove the image and its label") from None
@@ -340,15 +342,26 @@ def default_colors(count):
     return colors
 
 
+def _no_key_twice(pairs):
+    """json's object hook: a key given twice is an error (json alone keeps the last, and the first is lost unseen)."""
+    keys = [key for key, _ in pairs]
+    twice = sorted({key for key in keys if keys.count(key) > 1})
+    if twice:
+        raise BadInput(f"{', '.join(map(repr, twice))} given more than once (JSON readers keep only the last): keep one")
+    return dict(pairs)
+
+
 def read_classes(root):
     """DIR/classes.json -> ({"names", "colors"}, the mask value that means ignore), checked."""
     path = os.path.join(root, "classes.json")
     try:
         with open(path) as f:
-            spec = json.load(f)
+            spec = json.load(f, object_pairs_hook=_no_key_twice)
     except FileNotFoundError:
         raise BadInput(f"{path} not found: a data set in images/ and masks/ names its classes there, as "
                        f"{_CLASSES_EXAMPLE}") from None
+    except BadInput as error:
+        raise BadInput(f"{path}: {error}") from None
     except (OSError, ValueError) as error:
         raise BadInput(f"{path} cannot be read as JSON ({str(error).splitlines()[0]}); write it as "
                        f"{_CLASSES_EXAMPLE}") from None
@@ -369,6 +382,8 @@ def read_classes(root):
         raise BadInput(f'{path} names {len(names)} classes, but a mask of 8 bits a pixel holds at most 255 classes '
                        "beside its ignore_index: merge classes, or train on at most 255")
     ignore = spec.get("ignore_index", IGNORE_INDEX)
+    if type(ignore) is float and ignore.is_integer():  # 255.0 is the whole number 255, as JSON writers may put it
+        ignore = int(ignore)
     if type(ignore) is not int or not len(names) <= ignore <= 255:
         raise BadInput(f'{path}: "ignore_index" {ignore!r} must be a whole number from {len(names)} to 255: '
                        f"0-{len(names) - 1} are the classes' indices")
@@ -490,8 +505,9 @@ def palette_of(colors):
 
 
 def open_dataset(root, split="train", **options):
-    """The data set at root: your own (FolderDataset) where root holds classes.json or images/, else Cityscapes.
-    options: SegmentationFiles' (crop_size, seed, cache_dir, scale_range, color_jitter)."""
+    """The data set at root: your own (FolderDataset) where root holds classes.json, or images/ without Cityscapes'
+    leftImg8bit/ beside it; else Cityscapes. Both classes.json and leftImg8bit/ there: an error, which to read is
+    not ours to guess. options: SegmentationFiles' (crop_size, seed, cache_dir, scale_range, color_jitter)."""
     if os.path.isfile(root):
         raise BadInput(f"{root} is a file, not a data set's folder" + (": unzip it into a folder and give that"
                        if root.lower().endswith((".zip", ".tar", ".gz")) else ""))
@@ -499,5 +515,10 @@ def open_dataset(root, split="train", **options):
     if archives and not any(os.path.isdir(os.path.join(root, sub)) for sub in ("leftImg8bit", "images")):
         raise BadInput(f"{root} holds {os.path.basename(archives[0])} but no leftImg8bit/ or images/ folder: unzip "
                        "the archives there (docs/cityscapes.md)")
-    own = os.path.exists(os.path.join(root, "classes.json")) or os.path.isdir(os.path.join(root, "images"))
+    cityscapes = os.path.isdir(os.path.join(root, "leftImg8bit"))
+    named_classes = os.path.exists(os.path.join(root, "classes.json"))
+    if cityscapes and named_classes:
+        raise BadInput(f"{root} holds both Cityscapes' leftImg8bit/ and a folder data set's classes.json: give each "
+                       "data set a folder of its own")
+    own = named_classes or (os.path.isdir(os.path.join(root, "images")) and not cityscapes)
     return (FolderDataset if own else Cityscapes)(root, split, **options)

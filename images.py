@@ -17,6 +17,12 @@ import secrets
 import numpy as np
 from PIL import Image, ImageOps
 
+# The largest image this program reads: 2**28 pixels (16384 x 16384), 768 MiB as 8-bit RGB. PIL's own limit guards
+# a server against hostile uploads (a warning of two lines past 89 million pixels, an error past twice that); here
+# the files are the user's own, and aerial or medical images of 14000 x 14000 are real data. Past this limit an
+# image is named in one line, with what to do, before it is decoded.
+MAX_PIXELS = 2**28
+Image.MAX_IMAGE_PIXELS = None  # PIL's check off: _check_size below is this program's, for every reader
 
 
 class BadInput(ValueError):
@@ -28,6 +34,16 @@ class BadInput(ValueError):
 def first_line(error):
     """An error's own first line, whole (a decoder's messages run over several lines)."""
     return (str(error).strip().splitlines() or [type(error).__name__])[0]
+
+
+def _check_size(path, width, height):
+    if width * height > MAX_PIXELS:
+        cause = (f"{width} x {height} pixels, more than the {MAX_PIXELS:,} this program reads (16384 x 16384): cut "
+                 "it into tiles, or scale it down")
+        bad = BadInput(f"{path} is {cause}")
+        bad.cause = cause  # for predict.py, which names the file its own way
+        raise bad
+
 
 try:  # torchcodec: the decoder torchvision 0.29 names as its successor; bundles libpng, needs no FFmpeg
     from torchcodec.decoders import decode_image as _torchcodec_decode
@@ -60,9 +76,14 @@ def read_image(path):
         # byte), and torchcodec would round instead, one level apart: the same file gives the same pixels either way.
         torchcodec_png = header.startswith(_PNG_SIGNATURE) and not (header[24] == 16 and header[25] != 0)
         if _torchcodec_decode is not None and (torchcodec_png or header.startswith(_JPEG_SIGNATURE)):
+            with Image.open(path) as f:  # the header alone: the size, before torchcodec decodes the pixels
+                _check_size(path, *f.size)
             return _torchcodec_decode(path, mode="RGB").permute(1, 2, 0).numpy()
         with Image.open(path) as f:
+            _check_size(path, *f.size)
             return _rgb(ImageOps.exif_transpose(f))
+    except BadInput:
+        raise
     except Exception as error:
         raise _why(path, error) from None
 
@@ -84,6 +105,7 @@ def seen_size(path):
     """(width, height, turned) of an image as read_image returns it, from its header alone: turned when its
     EXIF orientation (a JPEG's, or a PNG's eXIf chunk before its pixels) turns it a quarter."""
     with Image.open(path) as f:
+        _check_size(path, *f.size)
         has_exif = f.format == "JPEG" or "exif" in f.info
         turned = has_exif and f.getexif().get(ORIENTATION, 1) in (5, 6, 7, 8)
         return (*(f.size[::-1] if turned else f.size), turned)
@@ -101,7 +123,10 @@ def decode_label(path):
         if _torchcodec_decode is not None and header[:8] == _PNG_SIGNATURE and header[24:26] == b"\x08\x00":
             return _torchcodec_decode(path, mode="UNCHANGED")[0].numpy()
         with Image.open(path) as f:
+            _check_size(path, *f.size)
             return np.asarray(f)  # mode "P": the indices; "L": the values
+    except BadInput:
+        raise
     except Exception as error:
         raise _why(path, error) from None
 

@@ -126,6 +126,9 @@ def _break(root, how):
     ('{"names": ["road"]}', '"names" must list at least 2 class names'),
     ('{"names": ["a", "b", "a"]}', '"names" lists \'a\' more than once (indices 0, 2): give each class one name'),
     ('{"names": ["a", "b"], "ignore_index": 1}', '"ignore_index" 1 must be a whole number from 2 to 255'),
+    ('{"names": ["a", "b"], "ignore_index": 254.5}', '"ignore_index" 254.5 must be a whole number from 2 to 255'),
+    ('{"names": ["a", "b"], "colors": [[0, 0, 0], [1, 1, 1]], "names": ["c", "d", "e"]}',
+     "{root}/classes.json: 'names' given more than once (JSON readers keep only the last): keep one"),
     ('{"names": ["a", "b"], "colors": [[0, 0, 0]]}', '"colors" must hold one [r, g, b] of 0-255 for each of the 2'),
     ('{"names": ["a", "b"], "colours": []}', "holds ['colours'], not only names, colors and ignore_index"),
 ])
@@ -323,3 +326,44 @@ def test_tensorboard_missing_stops_before_any_work(tiny_data, tmp_path, monkeypa
 def test_weights_and_tensorboard_flags_that_cannot_work(tiny_data, tmp_path, extra, expect, capsys):
     line = _main_fails(["--data", tiny_data, "--output-dir", str(tmp_path / "out"), *TRAIN_ARGS, *extra], capsys)
     assert expect in line, line
+
+
+def test_which_data_set_a_folder_holds_when_it_could_be_both(tiny_data, folder_data, tmp_path):
+    """An empty images/ beside Cityscapes' leftImg8bit/ is no folder data set (it has no classes.json); a
+    classes.json beside leftImg8bit/ is an error, not a guess; ignore_index 255.0 is the whole number 255."""
+    root = tmp_path / "both"
+    shutil.copytree(tiny_data, root)
+    (root / "images").mkdir()
+    assert type(open_dataset(str(root), "val")).__name__ == "Cityscapes"
+    shutil.copy(os.path.join(folder_data, "classes.json"), root / "classes.json")
+    with pytest.raises(images.BadInput, match="holds both Cityscapes' leftImg8bit/ and a folder data set's"):
+        open_dataset(str(root), "val")
+    own = tmp_path / "own"
+    shutil.copytree(folder_data, own)
+    spec = json.loads((own / "classes.json").read_text())
+    (own / "classes.json").write_text(json.dumps({**spec, "ignore_index": 255.0}))
+    assert open_dataset(str(own), "val").ignore_value == 255
+
+
+def test_an_image_of_any_size_up_to_the_limit_reads_without_a_warning_and_a_larger_one_in_one_line(tmp_path):
+    """PIL warns past 89 million pixels and refuses past twice that; this program reads the user's own files up to
+    2**28 pixels (a 14000 x 14000 aerial image) and names a larger one before decoding it. PNG headers alone: the
+    size is read from them, no pixel is decoded."""
+    import struct
+    import warnings
+    import zlib
+
+    def header_only_png(path, width, height):
+        def chunk(kind, data):
+            return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+        path.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
+                         + chunk(b"IEND", b""))
+        return str(path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # PIL's DecompressionBombWarning would fail this
+        assert images.seen_size(header_only_png(tmp_path / "aerial.png", 14000, 14000)) == (14000, 14000, False)
+        huge = header_only_png(tmp_path / "huge.png", 20000, 20000)
+        for read in (images.read_image, images.seen_size, images.decode_label):
+            with pytest.raises(images.BadInput, match=r"huge.png is 20000 x 20000 pixels, more than the 268,435,456 "
+                                                      r"this program reads \(16384 x 16384\): cut it into tiles"):
+                read(huge)
