@@ -95,7 +95,8 @@ def get_args_parser():
     parser.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
     parser.add_argument("--output-dir", default="output", help="(default: %(default)s)")
     parser.add_argument("--amp", nargs="?", const="bf16", choices=("bf16", "fp16"), help="mixed precision: bf16 (the "
-                        "default when given alone) or fp16 (CUDA only; with a GradScaler)")
+                        "default when given alone) or fp16 (with a GradScaler; this program allows it with CUDA "
+                        "only: on the CPU, bf16 is torch's own default for autocast)")
     parser.add_argument("--save-predictions", metavar="DIR",
                         help="write each val prediction as a PNG (Cityscapes: labelIds, the official evaluation's)")
     parser.add_argument("--dist-backend", choices=("nccl", "gloo"), help="(default: nccl with CUDA, gloo on the CPU)")
@@ -229,11 +230,13 @@ def train_one_epoch(model, optimizer, scaler, loader, device, epoch, first_step,
             images = normalize(images.to(device, non_blocking=True, memory_format=memory_format))
             labels = labels.to(device, non_blocking=True).long()
             # Gradient accumulation (--accum-steps N): N batches make one optimizer step. DDP all-reduces the
-            # gradients in every backward; inside model.no_sync() it only adds them up on this rank, so only the
-            # last batch's backward pays for the all-reduce. Each loss is divided by N: N batches on one process
-            # give the gradient of one batch on each of N processes, except for BatchNorm, whose statistics come
-            # from each forward's own batch (-b x processes images with SyncBatchNorm, which gathers them in every
-            # forward, no_sync or not), never from the N batches together.
+            # gradients in every backward; inside model.no_sync() it only adds them up on this rank, so DDP's
+            # gradient all-reduce runs in the last batch's backward alone. SyncBatchNorm's communication is its own,
+            # and no_sync leaves it be: every batch's forward still gathers each layer's statistics from every
+            # process, and its backward all-reduces their gradients' sums. Each loss is divided by N: N batches on
+            # one process give the gradient of one batch on each of N processes, except for BatchNorm, whose
+            # statistics come from each forward's own batch (-b x processes images with SyncBatchNorm), never from
+            # the N batches together.
             last = micro_step == args.accum_steps - 1
             with contextlib.nullcontext() if last else no_sync():
                 with autocast(args, device):
@@ -257,7 +260,7 @@ def train_one_epoch(model, optimizer, scaler, loader, device, epoch, first_step,
                 f"eta {timedelta(seconds=round(eta))} peak mem {peak_memory_gib(device):.2f} GiB")
             records.draw(epoch * steps_per_epoch + step + 1, mean_loss, lr, images_per_step / step_time)  # harness
             printed = (now, steps, data_wait)
-        if stops.requested(loss):  # harness: every rank stops at the same step: a signal, or a NaN (harness/stops.py)
+        if stops.ranks_vote_to_stop(loss):  # harness: every rank stops at the same step: a signal, or a NaN
             break
     elapsed = max(time.time() - start, 1e-9)
     sums = torch.zeros(world_size + 1, device=device)  # the loss, and each rank's peak memory in its own place
@@ -391,9 +394,9 @@ def make_optimizer(model, args):
 
 @recovery.guarded("main.py")  # harness: a mistake in one line, a lost peer named, signals (harness/recovery.py)
 def main(args):
-    args.resume = preflight.start(args)  # harness: every flag checked; --resume auto, a torchrun restart: a path
+    args.resume = preflight.check_flags_and_hold_output(args)  # harness: --resume auto, a torchrun restart: a path
     train_set, val_set, model, checkpoint = build(args)
-    preflight.check(args, train_set, val_set, checkpoint)  # harness: the data; --check-only ends here; folders made
+    preflight.check_data_and_make_outputs(args, train_set, val_set, checkpoint)  # harness: --check-only ends here
 
     # Step 1 (continued): the GPU this process drives, --local-rank or torchrun's LOCAL_RANK. Before anything
     # touches CUDA: this process's CUDA context, its "cuda" tensors and NCCL's work then go to its own GPU, not
@@ -410,10 +413,10 @@ def main(args):
     # fails after the timeout: PyTorch's default is 30 minutes for gloo and 10 for NCCL; --dist-timeout, 5.
     distributed = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     if distributed:
-        recovery.watch_peers(args.dist_timeout)  # harness: says what it waits for; then each rank's heartbeat
+        recovery.start_heartbeat(args.dist_timeout)  # harness: says what it waits for; then each rank's heartbeat
         dist.init_process_group(backend=args.dist_backend or ("nccl" if use_cuda else "gloo"),
                                 timeout=timedelta(minutes=args.dist_timeout))
-        stops.ranks_met()  # harness: from here a stop saves first (while init_process_group waits, one ends it)
+        stops.process_group_formed()  # harness: from here a stop saves first (during init_process_group, one ends it)
     log(f"{get_world_size()} process(es), backend {dist.get_backend() if distributed else 'none'}, device "
         f"{device.type}, global batch {global_batch(args)} (-b {args.batch_size} x {get_world_size()} process(es) "
         f"x --accum-steps {args.accum_steps})")
@@ -467,8 +470,9 @@ def wrap_model(model, args, device, distributed):
                     find_unused_parameters=args.find_unused_parameters, gradient_as_bucket_view=True)
         model_without_ddp = model.module
     if args.compile:
-        # The DDP model, as PyTorch's DDP docs say: torch.compile then splits its graph at DDP's buckets, so that
-        # the all-reduce still overlaps with the backward.
+        # The DDP model, as PyTorch's DDP notes say: TorchDynamo's DDPOptimizer then compiles it as one graph per DDP
+        # bucket, so that a bucket's all-reduce starts when its graph's backward ends, while the graphs earlier in
+        # the model still run theirs (in one graph, every gradient would be ready at once, at its end).
         model = torch.compile(model)
     return model, model_without_ddp
 
@@ -515,7 +519,7 @@ def train(args, model, model_without_ddp, model_to_evaluate, checkpoint, train_s
             scaler.load_state_dict(checkpoint["scaler"])
         start_epoch, first_step = checkpoint["epoch"], checkpoint["step"]
         best_miou, epoch_loss_sum = checkpoint["best_miou"], checkpoint["epoch_loss_sum"]
-    checkpoints.check_ranks_agree(start_epoch, first_step)  # harness: a stale copy on one node would hang the run
+    checkpoints.ranks_compare_start(start_epoch, first_step)  # harness: a stale copy on one node would hang the run
     if start_epoch >= args.epochs:  # a requeued job that had finished: not a failure, nothing to do
         log(f"nothing to train: {args.resume} has finished {start_epoch} epochs, as many as --epochs {args.epochs} "
             "asks or more; raise --epochs to train longer, or evaluate it with -e")
@@ -562,7 +566,7 @@ def train(args, model, model_without_ddp, model_to_evaluate, checkpoint, train_s
         if is_main_process():
             save_checkpoint(state, checkpoint_path)
         epoch_loss_sum = 0.0
-        stops.stop_after_epoch(last=epoch == args.epochs - 1)  # harness: a signal during the evaluation
+        stops.ranks_vote_after_epoch(last=epoch == args.epochs - 1)  # harness: a signal during the evaluation
     records.say_where_things_are(args, best_miou)  # harness: the files and what each is
 
 

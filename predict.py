@@ -198,59 +198,97 @@ def predict_all(args, model, classes, shard, mode, device, autocast, label_folde
     loader = DataLoader(ImageFiles([path for path, _ in shard]), batch_size=None, num_workers=workers,
                         pin_memory=device.type == "cuda")
     stops.shield_workers(loader)  # a stop to the whole job is this process's to act on, not the workers'
-
-    palette = records.palette(classes["colors"])
-    writer = concurrent.futures.ThreadPoolExecutor(max_workers=2)
-    writes, done, failed, world_size = [], 0, 0, job.get_world_size()
+    palette, writer = records.palette(classes["colors"]), Writer(args)
+    unreadable, done = [], 0
     start = last_report = time.time()
-
-    def written(write):
-        """Wait for one image's files; a write that failed (a full disk) stops this rank with one line."""
-        try:
-            write.result()
-        except OSError as error:
-            writer.shutdown(wait=False, cancel_futures=True)
-            fail(f"cannot write in --output-dir {args.output_dir} ({error.strerror or error}): free space there "
-                 "or choose another folder", this_rank=True)
-
-    @torch.inference_mode()
-    def run_batch(batch):
-        """batch: [(index, image)] of one size: one forward, then each image's files handed to the writer."""
-        nonlocal done, last_report
-        stacked = torch.stack([image for _, image in batch]).to(device, non_blocking=True)
-        with autocast():
-            predictions = inference.predict(model, normalize(stacked), mode).argmax(1).to(torch.uint8).cpu()
+    for batch in same_size_batches(loader, args.batch_size, shard, unreadable):
+        predictions = run_batch(model, batch, mode, device, autocast)
         for (index, image), prediction in zip(batch, predictions):
             outputs = output_paths(args.output_dir, shard[index][1], args.what, label_folder)
-            writes.append(writer.submit(write_outputs, prediction, image, outputs, palette, args))
-        while len(writes) > 4 * args.batch_size:  # the writer may lag; do not let images pile up in memory
-            written(writes.pop(0))
+            writer.submit(write_outputs, prediction, image, outputs, palette, args)
         done += len(batch)
-        now = time.time()
-        if now - last_report > 2 or done + failed == len(shard):
-            rate = done / (now - start)
-            eta = (len(shard) - done - failed) / max(rate, 1e-9)
-            ranks = f" on rank 0 (x{world_size} processes)" if world_size > 1 else ""
-            job.log(f"{done}/{len(shard)} images{ranks}, {rate:.2f} images/s, eta {timedelta(seconds=round(eta))}")
-            last_report = now
+        if time.time() - last_report > 2 or done + len(unreadable) == len(shard):
+            last_report = report_progress(done, len(unreadable), len(shard), start)
+    writer.finish()
+    return done, len(unreadable)
 
-    # Images of one size share a forward: each waits in its size's bucket until the bucket is full.
+
+def same_size_batches(loader, batch_size, shard, unreadable):
+    """The decoded images in batches of one size, for one forward each: an image waits in its size's bucket until
+    the bucket holds batch_size, and the buckets left at the end go as they are. An image that cannot be decoded
+    is named, skipped, and its index added to unreadable. -> yields [(index, image)]."""
     buckets = {}
     for index, image, problem in loader:
         if image is None:
             print(f"predict.py: {shard[index][0]} cannot be read ({problem}): skipped", file=sys.stderr, flush=True)
-            failed += 1
+            unreadable.append(index)
             continue
         bucket = buckets.setdefault(tuple(image.shape[-2:]), [])
         bucket.append((index, image))
-        if len(bucket) == args.batch_size:
-            run_batch(buckets.pop(tuple(image.shape[-2:])))
-    for bucket in buckets.values():
-        run_batch(bucket)
-    for write in writes:
-        written(write)
-    writer.shutdown()
-    return done, failed
+        if len(bucket) == batch_size:
+            yield buckets.pop(tuple(image.shape[-2:]))
+    yield from buckets.values()
+
+
+@torch.inference_mode()
+def run_batch(model, batch, mode, device, autocast):
+    """batch: [(index, image)] of one size: one forward. -> the predictions, uint8 (N, H, W) on the CPU."""
+    stacked = torch.stack([image for _, image in batch]).to(device, non_blocking=True)
+    with autocast():
+        return inference.predict(model, normalize(stacked), mode).argmax(1).to(torch.uint8).cpu()
+
+
+class Writer:
+    """Each image's files written by two threads (PNG encoding lets go of the GIL), beside the next forward. A write
+    that failed (a full disk) stops this rank with one line."""
+
+    def __init__(self, args):
+        self.output_dir, self.most_pending = args.output_dir, 4 * args.batch_size
+        self.threads, self.pending = concurrent.futures.ThreadPoolExecutor(max_workers=2), []
+
+    def submit(self, write, *arguments):
+        self.pending.append(self.threads.submit(write, *arguments))
+        while len(self.pending) > self.most_pending:  # the threads may lag: do not let images pile up in memory
+            self._wait(self.pending.pop(0))
+
+    def finish(self):
+        for write in self.pending:
+            self._wait(write)
+        self.threads.shutdown()
+
+    def _wait(self, write):
+        try:
+            write.result()
+        except OSError as error:
+            self.threads.shutdown(wait=False, cancel_futures=True)
+            fail(f"cannot write in --output-dir {self.output_dir} ({error.strerror or error}): free space there "
+                 "or choose another folder", this_rank=True)
+
+
+def report_progress(done, unreadable, total, start):
+    """Rank 0's line: this rank's images done, the rate, the time left. -> when it was said."""
+    now, world_size = time.time(), job.get_world_size()
+    rate = done / (now - start)
+    eta = (total - done - unreadable) / max(rate, 1e-9)
+    ranks = f" on rank 0 (x{world_size} processes)" if world_size > 1 else ""
+    job.log(f"{done}/{total} images{ranks}, {rate:.2f} images/s, eta {timedelta(seconds=round(eta))}")
+    return now
+
+
+def export(args, mode):
+    """--export: the plain model written as ONNX, once nothing stands in its way (no INPUT, no --eval-*, onnx
+    installed, a file that is no input and no other file)."""
+    if args.inputs or mode:
+        fail("--export writes the plain model and exits: give it no INPUT and no --eval-* flag")
+    missing = [name for name in ("onnx", "onnxscript") if importlib.util.find_spec(name) is None]
+    if missing:  # found before the model is loaded, not after
+        fail(f"--export needs {' and '.join(missing)}, which training does not: pip install -r "
+             "requirements-test.txt")
+    paths.check_file_and_make_folder("--export", args.export, reads=[("--resume", args.resume)],
+                                     replaceable=is_export)
+    replacing = os.path.exists(args.export)
+    model, _ = checkpoints.load_for_inference(args.resume)
+    export_onnx(model, args.export, replacing)
 
 
 @recovery.guarded("predict.py")  # a mistake ends in one line, said once (harness/recovery.py)
@@ -258,16 +296,7 @@ def main(args):
     checks.check_numbers(args, checks.PREDICT)
     mode = inference.read_mode(args)
     if args.export is not None:
-        if args.inputs or mode:
-            fail("--export writes the plain model and exits: give it no INPUT and no --eval-* flag")
-        missing = [name for name in ("onnx", "onnxscript") if importlib.util.find_spec(name) is None]
-        if missing:  # found before the model is loaded, not after
-            fail(f"--export needs {' and '.join(missing)}, which training does not: pip install -r "
-                 "requirements-test.txt")
-        paths.check_file("--export", args.export, reads=[("--resume", args.resume)], replaceable=is_export)
-        replacing = os.path.exists(args.export)
-        model, _ = checkpoints.load_for_inference(args.resume)
-        export_onnx(model, args.export, replacing)
+        export(args, mode)
         return
     if not args.inputs:
         fail("no INPUT: name image files, folders or glob patterns (or --export FILE.onnx)")
@@ -289,7 +318,7 @@ def main(args):
     # exactly once. The only collective is the count at the end: gloo, on CPU tensors, GPUs or not.
     distributed = job.env().distributed
     if distributed:
-        recovery.watch_peers(args.dist_timeout)  # says what it waits for, if it waits
+        recovery.start_heartbeat(args.dist_timeout)  # says what it waits for, if it waits
         dist.init_process_group("gloo", timeout=timedelta(minutes=args.dist_timeout))
     rank, world_size = job.get_rank(), job.get_world_size()
     device = torch.device("cpu")
@@ -299,7 +328,7 @@ def main(args):
         torch.backends.cudnn.benchmark = True
     model.to(device)
     job.log(f"predicting {len(images)} images with {os.path.basename(args.resume)} "
-                 f"({inference.describe(mode)}), {world_size} process(es), device {device.type}")
+            f"({inference.describe(mode)}), {world_size} process(es), device {device.type}")
     start = time.time()
     counts = torch.tensor(predict_all(args, model, classes, images[rank::world_size], mode, device, autocast,
                                       label_folder))
@@ -310,7 +339,7 @@ def main(args):
     written, unreadable = counts.tolist()
     elapsed = time.time() - start
     job.log(f"wrote {written} predictions to {args.output_dir} in {timedelta(seconds=round(elapsed))} "
-                 f"({written / elapsed:.2f} images/s)")
+            f"({written / elapsed:.2f} images/s)")
     if unreadable:
         fail(f"{unreadable} of {written + unreadable} images could not be read (named above)"
              + ("; the others were written" if written else ": is each an image (PNG, JPEG, ...)?"))

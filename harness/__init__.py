@@ -11,7 +11,16 @@ marked `harness`) that a learner can delete. main.py imports it in one statement
     records      what rank 0 writes beside the checkpoint: metrics, best.pth, pictures, eval.json, TensorBoard
     inference    multi-scale, flip and sliding-window evaluation (main.py -e, predict.py)
     paths        every path a program writes, checked in one place; one run per output folder
-    job          this process's place in the job, read once from the launcher's environment
+    job          this process's place in the job, read once from the launcher's environment; and RUN, a run's state
     errors       the error types
     cache        `python -m harness.cache`: fill dataset.py's decode cache before training
+
+A run's state lives in one object, job.RUN (harness/job.py): a field per concern (the environment, the command, the
+stop signals and the ranks' vote, the held --output-dir, the checkpoint the run starts from, TensorBoard's writer,
+...), each written by one module alone. Every other module-level name is a constant (records._run is only another
+name for RUN.records).
+
+Names say when a function writes or waits for the other ranks: one whose name begins with ranks_ is a collective
+(every rank calls it, at the same point); write, make, move, hold, rewrite or save in a name: it writes files; a
+name that says check and nothing more only reads.
 """

@@ -5,8 +5,8 @@ said in one line instead of trusted, --weights, the checkpoint kept before the l
     checkpoint = checkpoints.checked(checkpoint, args, classes)   # what main.py loaded, made what it reads
     checkpoints.load_weights(model, args, classes)   # --weights: fine-tuning from a trained model
     @checkpoints.keeping_previous                    # around main.py's save: *.prev.pth kept, a full disk said
-    checkpoints.check_ranks_agree(epoch, step)       # every rank read the same start
-    checkpoints.continue_run_at(args, start, epoch, step)   # metrics from there; a rewind keeps what it drops
+    checkpoints.ranks_compare_start(epoch, step)     # a collective: every rank read the same start
+    checkpoints.rewrite_run_files_at(args, start, epoch, step)   # metrics from there; a rewind keeps what it drops
     model, classes = checkpoints.load_for_inference(path)   # predict.py: everything from the checkpoint
 
 A checkpoint is the dict main.py's checkpoint_state() makes (weights_only: data, not code). Every reader first
@@ -27,7 +27,7 @@ import torch.distributed as dist
 from . import job, paths, stops
 from dataset import CLASS_COLORS, CLASS_NAMES
 from .errors import UserError, fail, first_line
-from .job import log, named
+from .job import RUN, log, named
 from models import MODEL_NAMES, build_model
 
 TRAINING_STATE = ("optimizer", "scaler", "epoch", "step", "best_miou")  # what resuming training needs
@@ -43,10 +43,6 @@ class Start:
 
 
 # --- reading ------------------------------------------------------------------------------------------------------
-_unchecked = set()  # checkpoints without CRC-32s, said once each
-_weights = {}  # --weights' checkpoint as the preflight read it, for load_weights: read once
-
-
 def verify(flag, path):
     """The file at path is one a checkpoint can be read from, its bytes as torch.save wrote them: each record's
     CRC-32 (zipfile's testzip reads every record and compares). -> whether it was checked: a file written without
@@ -96,8 +92,8 @@ def read(flag, path):
         why = "not a PyTorch file" if "Weights only load failed" in str(error) else first_line(error)
         fail(f"{flag} {path} cannot be read ({type(error).__name__}: {why}): it is truncated, or not a PyTorch "
              "checkpoint")
-    if not checked and path not in _unchecked:
-        _unchecked.add(path)
+    if not checked and path not in RUN.unchecked:  # said once each
+        RUN.unchecked.add(path)
         log(f"note: {path} carries no CRC-32s (torch's legacy format, or saved with "
             "torch.serialization.set_crc32_options(False)): it is read without a check that it is whole")
     return normalized(checkpoint, flag, path)
@@ -186,7 +182,7 @@ def decide_start(args):
     - --resume auto: OUTPUT_DIR/checkpoint.pth, or the one before it when that cannot be read; neither there: a
       fresh start. With --overwrite: a fresh start (run.sh passes --resume auto every time);
     - --resume PATH: that file (with -e: the model to evaluate, restarted or not)."""
-    _weights.clear()  # (a --weights read by an earlier run in this process: not this run's)
+    RUN.weights.clear()  # (a --weights read by an earlier run in this process: not this run's)
     restart = job.env().restarts > 0 and not args.evaluate
     explicit = args.resume not in ("", "auto")
     auto = restart or (args.resume == "auto" and not args.overwrite)
@@ -295,10 +291,11 @@ def _continued(checkpoint, args):
     return checkpoint
 
 
-def check_ranks_agree(epoch, step):
-    """Every rank read its start itself: a stale copy on one node's view of a shared filesystem, or a fallback
-    to the checkpoint before, would start the ranks at different steps, and their collectives would never
-    match (a hang). A collective compares them: any difference ends the run with one line."""
+def ranks_compare_start(epoch, step):
+    """A collective, on every rank. Every rank read its start itself: a stale copy on one node's view of a shared
+    filesystem, or a fallback to the checkpoint before, would start the ranks at different steps, and their
+    collectives would never match (a hang). Two all_reduces compare them: any difference ends the run with one
+    line."""
     if dist.is_initialized():
         device = "cuda" if dist.get_backend() == "nccl" else "cpu"  # NCCL reduces GPU tensors only
         here = torch.tensor([epoch, step], dtype=torch.float64, device=device)
@@ -313,10 +310,10 @@ def check_ranks_agree(epoch, step):
 # --- fine-tuning ------------------------------------------------------------------------------------------------
 def weights_of(args):
     """--weights' checkpoint, read once (the preflight reads it first, for the model it holds)."""
-    if args.weights not in _weights:
-        _weights.clear()
-        _weights[args.weights] = read("--weights", args.weights)
-    return _weights[args.weights]
+    if args.weights not in RUN.weights:
+        RUN.weights.clear()
+        RUN.weights[args.weights] = read("--weights", args.weights)
+    return RUN.weights[args.weights]
 
 
 def load_weights(model, args, classes):
@@ -330,7 +327,7 @@ def load_weights(model, args, classes):
         return
     path = args.weights
     checkpoint = weights_of(args)
-    _weights.clear()
+    RUN.weights.clear()  # (read once, used once: not kept for the whole run)
     _check_model_name(checkpoint, "--weights", path, args.model)
     weights, own = dict(checkpoint["model"]), model.state_dict()
     theirs = classes_of(checkpoint)
@@ -362,7 +359,8 @@ def keeping_previous(save):
     ends every rank together, rank 0 saying why in one line."""
     @functools.wraps(save)
     def save_keeping_the_previous(state, path):
-        if stops.write_problem():  # this epoch's other files failed: no checkpoint after them, the epoch is redone
+        # This epoch's other files failed: no checkpoint after them, the epoch is redone.
+        if stops.pending_write_failure():
             return
         keep = f"{previous_path(path)}.{os.getpid()}.tmp"  # a second name for the old file, until the new is whole
         try:
@@ -420,8 +418,8 @@ def load_for_inference(path):
 
 
 # --- where the run's files begin -------------------------------------------------------------------------------
-def continue_run_at(args, start, epoch, step):
-    """Rank 0, before training: the run's files made to begin at (epoch, step). metrics.jsonl keeps the epochs
+def rewrite_run_files_at(args, start, epoch, step):
+    """Rank 0, before training: the run's files rewritten to begin at (epoch, step). metrics.jsonl keeps the epochs
     before it (the line of an epoch in flight, or one cut short by a crash, goes: that epoch is done again).
 
     A rewind, a start from an older checkpoint of the run than its latest (--resume OUTPUT_DIR/best.pth, or the

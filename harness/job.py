@@ -1,5 +1,6 @@
 """This process's place in the job, read once from what started it (torchrun, torch.distributed.launch, run.sh, or
-nothing), and who speaks: the harness's one source for both. main.py's lesson reads what it needs itself.
+nothing), and who speaks: the harness's one source for both. main.py's lesson reads what it needs itself. And RUN,
+the one object that holds a run's state: everything the harness remembers while a program runs.
 
     job.read_environment("main.py")   # at the start of a run (recovery.guard): every variable checked, once
     job.get_rank(), job.get_world_size(), job.is_main_process()   # the process group's, or before it the launcher's
@@ -9,9 +10,11 @@ nothing), and who speaks: the harness's one source for both. main.py's lesson re
     job.checkpoint_path()             # OUTPUT_DIR/checkpoint.pth
     job.resume_advice()               # how to carry on a stopped run, in the user's own terms
     job.global_batch(args)            # -b x processes x --accum-steps
+    job.RUN.stops.signal              # a run's state, a field per concern (Run, below)
 """
 import os
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
@@ -34,8 +37,61 @@ class Environment:
     stop_file: str | None = None        # DEEPLAB_STOP_FILE: where run.sh writes the first stop signal's name
 
 
-_env = Environment()
-_command = {"resume": None, "overwrite": None, "quiet": False, "output_dir": "output"}  # what this run's command says
+# --- a run's state ----------------------------------------------------------------------------------------------
+@dataclass
+class Command:
+    """What this run's command says that advice must not repeat (a --resume PATH, --overwrite), where it writes, and
+    whether it speaks (--check-only reports mistakes only)."""
+    resume: str | None = None           # "--resume PATH", for a PATH (not for auto)
+    overwrite: str | None = None        # "--overwrite", when given
+    quiet: bool = False
+    output_dir: str = "output"
+
+
+@dataclass
+class Guard:
+    """What recovery.guard knows of the program it runs: to say how the run ended, and the heartbeat's thread."""
+    program: str = "main.py"
+    args: object = None                 # the program's flags, for the line about a mistake or running out of memory
+    output_dir: str | None = None       # main.py's --output-dir, where a mistake is recorded for the peers (else none)
+    started: float = field(default_factory=time.time)
+    heartbeat: tuple | None = None      # (thread, the event that stops it): recovery.start_heartbeat
+    waiting_since: float | None = None  # when this rank began to wait for the process group to form
+
+
+@dataclass
+class Stops:
+    """What stops.py knows of stopping: the signal seen, the ranks' vote, a file rank 0 could not write."""
+    signal: int | None = None           # the first stop signal this process received
+    signal_time: float = 0.0            # when (a second one, a second or more later, stops at once)
+    handlers: dict | None = None        # the stop signals' handlers before this run, which restore() puts back
+    vote: object = None                 # the stops.StopVote of this epoch's steps, made at its first step
+    decision: str | None = None         # the epoch's first decision to stop: "signal" or "nonfinite"
+    steps: int = 0                      # optimizer steps voted on, for the heartbeat
+    deferring: bool = False             # inside stops.deferred(): a stop ends the run after its writes
+    begun: bool = False                 # the preflight has ended: from here a stop saves first
+    problem: str | None = None          # the line of a file rank 0 could not write, until the ranks stop on it
+
+
+@dataclass
+class Run:
+    """A run's state, all of it: a field per concern, each written by the module named beside it alone, and read as
+    job.RUN.<field>. Each owner sets its field afresh where a run starts, so that a second run in one process (the
+    tests') starts clean; `unchecked` alone lasts the process. Every other module-level name of the harness is a
+    constant."""
+    env: Environment = field(default_factory=Environment)  # job.read_environment (recovery.guard, first thing)
+    command: Command = field(default_factory=Command)      # job.remember_command (the preflight)
+    guard: Guard = field(default_factory=Guard)            # recovery.py
+    stops: Stops = field(default_factory=Stops)            # stops.py (afresh in stops.install)
+    start: object = None                                   # preflight.py: checkpoints.Start, where the run starts
+    held: tuple | None = None                              # paths.py: (descriptor, path) of --output-dir's lock
+    weights: dict = field(default_factory=dict)            # checkpoints.py: {path: checkpoint}, --weights read once
+    unchecked: set = field(default_factory=set)            # checkpoints.py: files without CRC-32s, said once each
+    # records.py: TensorBoard's writer (rank 0, with --tensorboard), and whether the time left was estimated yet
+    records: dict = field(default_factory=lambda: {"writer": None, "estimated": False})
+
+
+RUN = Run()  # never replaced itself, only its fields: `from .job import RUN` is this process's run from anywhere
 
 
 def _whole_number(name, default, low=0, high=None, advice="set it as a launcher does (torchrun sets RANK, "
@@ -57,8 +113,7 @@ def read_environment(program="main.py"):
     """Read and check every variable the program uses (the launcher's, run.sh's, and OMP_NUM_THREADS and TMPDIR,
     which torch and Python read), once for this run: a bad value, or a launcher's variables that cannot make a
     process group (RANK without WORLD_SIZE, RANK past WORLD_SIZE, no MASTER_ADDR), ends in one line."""
-    global _env
-    _env = Environment(program=program)  # what is known so far, for the line a bad variable ends in
+    RUN.env = Environment(program=program)  # what is known so far, for the line a bad variable ends in
     distributed = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     rank, world_size = _whole_number("RANK", 0), _whole_number("WORLD_SIZE", 1, low=1)
     if ("RANK" in os.environ) != ("WORLD_SIZE" in os.environ):
@@ -84,26 +139,26 @@ def read_environment(program="main.py"):
     if temporary and not (os.path.isdir(temporary) and os.access(temporary, os.W_OK | os.X_OK)):
         fail(f"the environment variable TMPDIR={temporary!r} is not a folder this process can write to: set it to "
              "one, or unset it")
-    _env = Environment(
+    RUN.env = Environment(
         program=program, rank=rank, world_size=world_size, local_rank=_whole_number("LOCAL_RANK", 0),
         distributed=distributed, master=f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}",
         restarts=_whole_number("TORCHELASTIC_RESTART_COUNT", 0), run_id=os.environ.get("TORCHELASTIC_RUN_ID"),
         under_run_sh=os.environ.get("DEEPLAB_RUN_SH") == "1", stop_file=os.environ.get("DEEPLAB_STOP_FILE") or None)
-    _command.update(resume=None, overwrite=None, quiet=False, output_dir="output")
-    return _env
+    RUN.command = Command()
+    return RUN.env
 
 
 def env():
-    return _env
+    return RUN.env
 
 
 def get_rank():
     """The global rank: the process group's, or before it exists the launcher's RANK (0 without a launcher)."""
-    return dist.get_rank() if dist.is_initialized() else _env.rank
+    return dist.get_rank() if dist.is_initialized() else RUN.env.rank
 
 
 def get_world_size():
-    return dist.get_world_size() if dist.is_initialized() else _env.world_size
+    return dist.get_world_size() if dist.is_initialized() else RUN.env.world_size
 
 
 def is_main_process():
@@ -112,34 +167,35 @@ def is_main_process():
 
 
 def log(*message):
-    if is_main_process() and not _command["quiet"]:
+    if is_main_process() and not RUN.command.quiet:
         print(*message, flush=True)
 
 
 def remember_command(args, quiet=False):
     """What this run's command holds that advice must not repeat (a --resume PATH, --overwrite), where it writes,
     and whether it speaks (--check-only reports mistakes only)."""
-    _command.update(overwrite="--overwrite" if getattr(args, "overwrite", False) else None, quiet=quiet,
-                    resume=f"--resume {args.resume}" if getattr(args, "resume", "") not in ("", "auto") else None,
-                    output_dir=getattr(args, "output_dir", "output"))
+    RUN.command = Command(
+        resume=f"--resume {args.resume}" if getattr(args, "resume", "") not in ("", "auto") else None,
+        overwrite="--overwrite" if getattr(args, "overwrite", False) else None, quiet=quiet,
+        output_dir=getattr(args, "output_dir", "output"))
 
 
 def checkpoint_path(output_dir=None):
     """The run's checkpoint, OUTPUT_DIR/checkpoint.pth: the one place the harness makes its name."""
-    return os.path.join(output_dir or _command["output_dir"], "checkpoint.pth")
+    return os.path.join(output_dir or RUN.command.output_dir, "checkpoint.pth")
 
 
 def named(flag):
     """A flag as the user set it, for advice: under run.sh the user typed the variables OUTPUT_DIR and DATA, not the
     flags run.sh made of them."""
-    return {"--output-dir": "OUTPUT_DIR", "--data": "DATA"}.get(flag, flag) if _env.under_run_sh else flag
+    return {"--output-dir": "OUTPUT_DIR", "--data": "DATA"}.get(flag, flag) if RUN.env.under_run_sh else flag
 
 
 def resume_advice():
     """How to carry on a stopped run, as the user started it: without --overwrite (it would put the run aside)
     and without a --resume PATH (it would start from that file again, not from where the run stopped)."""
-    resume, overwrite = _command["resume"], _command["overwrite"]
-    if _env.under_run_sh:
+    resume, overwrite = RUN.command.resume, RUN.command.overwrite
+    if RUN.env.under_run_sh:
         drop = " and ".join(flag for flag in (resume, overwrite) if flag)
         return "run the same ./run.sh line again" + (f" without {drop}" if drop else "")
     return ("run the same command with --resume auto" + (f" in place of {resume}" if resume else "")

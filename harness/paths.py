@@ -5,12 +5,14 @@ predict.py use it.
 
     paths.check_folder("--output-dir", out, reads=[("--data", data)])   # a folder, not on or in an input
     paths.make_folder("--output-dir", out)                    # made with its missing parents, and probed
-    paths.check_file("--export", path, reads=[("--resume", ckpt)], replaceable=is_export)
+    paths.check_file_and_make_folder("--export", path, reads=[("--resume", ckpt)], replaceable=is_export)
     paths.move_aside(out, RUN_FILES, "replaced")              # --overwrite: the old run put aside, not deleted
     paths.write_atomically(path, data)                        # a file whole, or the old one as it was
     paths.write_folder(path, write)                           # a generated data set: whole, or not at all
-    paths.hold_output(args)                                   # one folder, one run: others are refused
-    paths.release_output()                                    # at the end of the run (recovery.guard)
+    paths.hold_output(args)                                   # one folder, one run: OUTPUT_DIR/.held locked, written
+    paths.release_output()                                    # at the end of the run (recovery.guard): .held removed
+
+A name that says check and nothing more only reads; make, move, write, hold and release write.
 """
 import errno
 import fcntl
@@ -22,7 +24,7 @@ import time
 
 from . import job
 from .errors import UserError, fail, first_line
-from .job import named
+from .job import RUN, named
 
 
 def inside(path, folder):
@@ -80,7 +82,7 @@ def make_folder(flag, path):
         fail(f"{named(flag)} {path} cannot be written ({error.strerror or error}): choose a folder you can write to")
 
 
-def check_file(flag, path, reads=(), replaceable=None):
+def check_file_and_make_folder(flag, path, reads=(), replaceable=None):
     """An output file: not a folder, not a file the command reads, not in a folder it reads; an existing file
     only if replaceable(path) says it is an earlier output of the same kind. Its folder is made."""
     _no_broken_link(flag, path)
@@ -259,8 +261,7 @@ def make_run_outputs(args, start):
 
 
 # --- one folder, one run ------------------------------------------------------------------------------------------
-HOLD = ".held"  # in --output-dir: an advisory lock (flock), and who holds it
-_hold = {"fd": None, "path": None}
+HOLD = ".held"  # in --output-dir: an advisory lock (flock), and who holds it (the run's: job.RUN.held)
 
 
 class Held(UserError):
@@ -314,25 +315,54 @@ def hold_output(args):
     (a kill -9; on a network filesystem, a lost node after the server's lease), so a dead holder never blocks the
     next run, which says that it takes over. --check-only only looks (run.sh's preflight refuses before torchrun
     starts). A folder that does not exist yet is held when it is made (make_run_outputs)."""
-    if job.env().rank != 0 or _hold["fd"] is not None:
+    if job.env().rank != 0 or RUN.held is not None:
         return
     path = os.path.join(args.output_dir, HOLD)
     if args.check_only:
-        try:
-            fd = os.open(path, os.O_RDWR if os.access(path, os.W_OK) else os.O_RDONLY)
-        except OSError:
-            return  # no lock file: no holder (nothing is written to find out)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            _refuse(args, _holder(path))
-        except OSError:
-            pass  # no locks on this filesystem: the run says so when it starts
-        finally:
-            os.close(fd)  # a probe's lock ends with its descriptor
+        _refuse_if_held(args, path)
         return
     if not os.path.isdir(args.output_dir):
         return
+    fd = _open_and_lock(args, path)
+    if fd is None:
+        return  # a filesystem without locks: said
+    before = _holder(path)
+    run_id = job.env().run_id
+    if before and not (run_id and before.get("run_id") == run_id):  # (a torchrun restart of this job: its own)
+        print(f"note: {args.output_dir} was held by host {before.get('host')}, process {before.get('pid')} (since "
+              f"{before.get('since')}), which ended without letting go (killed, or its machine lost): taken over",
+              flush=True)
+    record = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.strftime("%Y-%m-%d %H:%M:%S"),
+              "run_id": run_id}
+    RUN.held = (fd, path)  # held: let go at the end (release_output), also if the line below fails
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(record).encode(), 0)
+    except OSError as error:
+        fail(f"{named('--output-dir')} {args.output_dir} cannot be written ({error.strerror or error}): free space "
+             "there, or choose another folder")
+
+
+def _refuse_if_held(args, path):
+    """--check-only: another run that holds the lock file at path is refused, found by a probe's lock, which ends
+    with its descriptor. Nothing is written to find out."""
+    try:
+        fd = os.open(path, os.O_RDWR if os.access(path, os.W_OK) else os.O_RDONLY)
+    except OSError:
+        return  # no lock file: no holder
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        _refuse(args, _holder(path))
+    except OSError:
+        pass  # no locks on this filesystem: the run says so when it starts
+    finally:
+        os.close(fd)
+
+
+def _open_and_lock(args, path):
+    """The lock file at path, made when missing, opened and locked (_lock). -> its descriptor, or None on a
+    filesystem without locks (said). Another run's lock refuses this run (Held)."""
     while True:
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -348,29 +378,14 @@ def hold_output(args):
             os.close(fd)
             print(f"note: {args.output_dir} cannot be locked ({error.strerror or error}): nothing keeps another run "
                   "from writing there at the same time (docs/troubleshooting.md, one folder, one run)", flush=True)
-            return
+            return None
         # The holder before removes the file as it lets go: this one must be the file the path names now.
         try:
             if os.fstat(fd).st_ino == os.stat(path).st_ino:
-                break
+                return fd
         except FileNotFoundError:
             pass
         os.close(fd)
-    before = _holder(path)
-    run_id = job.env().run_id
-    if before and not (run_id and before.get("run_id") == run_id):  # (a torchrun restart of this job: its own)
-        print(f"note: {args.output_dir} was held by host {before.get('host')}, process {before.get('pid')} (since "
-              f"{before.get('since')}), which ended without letting go (killed, or its machine lost): taken over",
-              flush=True)
-    record = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.strftime("%Y-%m-%d %H:%M:%S"),
-              "run_id": run_id}
-    _hold.update(fd=fd, path=path)  # held: let go at the end (release_output), also if the line below fails
-    try:
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps(record).encode(), 0)
-    except OSError as error:
-        fail(f"{named('--output-dir')} {args.output_dir} cannot be written ({error.strerror or error}): free space "
-             "there, or choose another folder")
 
 
 def _held(folder):
@@ -408,18 +423,17 @@ def check_not_held(flag, path):
 def forget_hold():
     """In a forked child (a DataLoader worker): close this process's copy of the lock's descriptor. The parent's
     still holds it; the child's would hold it on after the parent was killed."""
-    if _hold["fd"] is not None:
-        os.close(_hold["fd"])
-        _hold.update(fd=None, path=None)
+    if RUN.held is not None:
+        os.close(RUN.held[0])
+        RUN.held = None
 
 
 def release_output():
     """The end of a run that held --output-dir: the lock file removed (while still held, so that no other run
     locks a file about to go), then let go."""
-    fd, path = _hold["fd"], _hold["path"]
-    if fd is None:
+    if RUN.held is None:
         return
-    _hold.update(fd=None, path=None)
+    (fd, path), RUN.held = RUN.held, None
     try:
         os.remove(path)
     except OSError:

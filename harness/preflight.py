@@ -2,19 +2,21 @@
 run.sh runs main.py with --check-only first, which ends after these checks: a mistake is said once, not by every
 worker and again after each of torchrun's restarts. main.py calls it twice, before Step 1:
 
-    args.resume = preflight.start(args)     # the flags; --output-dir held; the checkpoint to start from, read
-    preflight.check(args, train_set, val_set, checkpoint)   # the data and the model; --check-only ends here;
-                                            # rank 0 makes the folders and continues the run's files there
+    args.resume = preflight.check_flags_and_hold_output(args)
+    preflight.check_data_and_make_outputs(args, train_set, val_set, checkpoint)
+
+The first checks the flags, holds --output-dir (it writes OUTPUT_DIR/.held), reads the checkpoint the run starts
+from, and completes args: after it, the harness changes nothing of args. The second checks the data and the model,
+and --check-only ends there, having written nothing; then rank 0 makes the folders and rewrites the run's files to
+go on from the checkpoint, TensorBoard's writer opens, and from then on a stop saves first.
 """
 import torch
 
 from . import checkpoints, checks, inference, job, paths, records, stops
 from dataset import IGNORE_INDEX
 from .errors import BadInput, Finished, fail
-from .job import log, named
+from .job import RUN, log, named
 from models import MODEL_NAMES
-
-_run = {"start": checkpoints.Start()}  # start()'s decision, for check()
 
 
 def add_arguments(parser):
@@ -32,18 +34,25 @@ def add_arguments(parser):
     resume.help += "; 'auto': OUTPUT_DIR/checkpoint.pth if it exists"
 
 
-def start(args):
-    """The flags, every number and what they say together; --output-dir held for this run (one folder, one run);
-    the checkpoint the run starts from decided and read (checkpoints.decide_start). With --weights, a fresh start
-    takes the model it holds unless --model says otherwise, and fetches no pretrained backbone: it holds every
-    layer. -> the checkpoint's path for --resume ('' for a fresh start)."""
+def check_flags_and_hold_output(args):
+    """The flags, every number and what they say together; --output-dir held for this run (one folder, one run:
+    paths.hold_output writes OUTPUT_DIR/.held); the checkpoint the run starts from decided and read
+    (checkpoints.decide_start); args completed (_complete_args), the harness's only change to it. -> the
+    checkpoint's path for --resume ('' for a fresh start)."""
     job.remember_command(args, quiet=bool(args.check_only))
     checks.check_numbers(args, checks.MAIN)
     checks.check_args(args, torch.cuda.is_available())
     inference.read_mode(args, training=not args.evaluate)  # a mistake in --eval-* found before any work
     paths.hold_output(args)  # no other run writes into --output-dir while this one does (paths.py)
-    start = checkpoints.decide_start(args)
-    _run["start"] = start
+    RUN.start = start = checkpoints.decide_start(args)
+    _complete_args(args, start)  # after this, args is read-only: the harness changes none of its flags again
+    paths.check_no_run_replaced(args, start)  # another run in --output-dir is continued, or moved aside
+    return start.path
+
+
+def _complete_args(args, start):
+    """What --weights says of other flags, before any work. A fresh start takes the model it holds unless --model
+    says otherwise, and fetches no pretrained backbone: it holds every layer."""
     if args.weights and not start.path:
         saved = checkpoints.saved_args(checkpoints.weights_of(args))
         if args.model is None and saved.get("model") in MODEL_NAMES:
@@ -52,32 +61,31 @@ def start(args):
             args.output_stride = saved["output_stride"]
     if args.weights:
         args.pretrained_backbone = "none"
-    paths.check_no_run_replaced(args, start)  # another run in --output-dir is continued, or moved aside
-    return start.path
 
 
-def check(args, train_set, val_set, checkpoint):
+def check_data_and_make_outputs(args, train_set, val_set, checkpoint):
     """The data and the model, once main.py has opened and built them (on every rank, before the process group):
     the checks of check_data, the crop against the model's output stride. --check-only ends here (exit 0, nothing
     written). Then rank 0, with every check passed, makes the output folders (before init_process_group, which the
-    other ranks wait in), begins the run's files at the checkpoint's position, and opens TensorBoard's writer."""
+    other ranks wait in), rewrites the run's files to begin at the checkpoint's position, and opens TensorBoard's
+    writer; and from here a stop saves first (stops.preflight_ended changes what the stop signals do)."""
     crop_size = args.crop_size * 2 if len(args.crop_size) == 1 else args.crop_size
     checks.check_model_fits(args, crop_size)  # --model is known now: the checkpoint's, unless given
     world_size = args.check_only or job.get_world_size()
     check_data(args, crop_size, train_set, val_set, world_size)
     if args.check_only:
         raise Finished
-    start = _run["start"]
+    start = RUN.start
     resuming = checkpoint and not args.evaluate
     epoch, step = (checkpoint["epoch"], checkpoint["step"]) if resuming else (args.start_epoch, 0)
     with stops.deferred():  # a stop while rank 0 moves an old run aside or rewinds one: after, not half-way
         if job.is_main_process():
             paths.make_run_outputs(args, start)
             if not args.evaluate:
-                checkpoints.continue_run_at(args, start, epoch, step)  # metrics from here; a rewind keeps what it drops
+                checkpoints.rewrite_run_files_at(args, start, epoch, step)  # a rewind keeps what it drops
     steps_per_epoch = len(train_set) // job.global_batch(args, world_size)
-    records.open_writer(args, epoch * steps_per_epoch + step + 1)
-    stops.begin()
+    records.open_tensorboard(args, epoch * steps_per_epoch + step + 1)
+    stops.preflight_ended()
     if job.env().restarts and not args.evaluate:
         log(f"note: restart {job.env().restarts} by torchrun after a failure: the run goes on from "
             f"{args.resume or 'its start (no checkpoint was written before it)'}")

@@ -2,8 +2,8 @@
 metrics.jsonl, best.pth, the pictures, eval.json, with --tensorboard the curves, and at the end the list of where
 things are. A write that fails (a full disk) ends the run in one line.
 
-    records.open_writer(args, first_iteration)        # the preflight: TensorBoard's writer, with --tensorboard
-    records.draw(iteration, loss, lr, images_per_s)   # main.py's progress lines, as curves
+    records.open_tensorboard(args, first_iteration)   # the preflight: TensorBoard's writer, with --tensorboard
+    records.draw(iteration, loss, lr, images_per_s)   # main.py's progress lines, as TensorBoard's curves
     picture = records.picture(model, val_loader, device, args)  # rank 0's first val image, predicted again
     records.write_epoch(args, epoch, steps_per_epoch, stats, train_loss, evaluation, picture, state, is_best)
     records.write_eval(args, evaluation, picture, classes, num_images)   # -e
@@ -21,28 +21,29 @@ from PIL import Image
 from . import checks, inference, job, paths, stops
 from dataset import CLASS_COLORS, normalize
 from .errors import fail
-from .job import is_main_process, log, named
-
-_run = {"writer": None, "estimated": False}  # TensorBoard's writer (rank 0, --tensorboard); the estimate said
+from .job import RUN, is_main_process, log, named
 
 
-def open_writer(args, first_iteration):
-    """Rank 0's TensorBoard writer with --tensorboard. purge_step: TensorBoard drops what a stopped run drew from
-    that iteration on, so that a resumed run draws no stretch twice."""
-    _run.update(writer=None, estimated=False)
+
+def open_tensorboard(args, first_iteration):
+    """Rank 0's TensorBoard writer with --tensorboard, which makes OUTPUT_DIR/tensorboard/ and its first file.
+    purge_step: TensorBoard drops what a stopped run drew from that iteration on, so that a resumed run draws no
+    stretch twice."""
+    RUN.records.update(writer=None, estimated=False)
     if not (args.tensorboard and is_main_process()):
         return
     from torch.utils.tensorboard import SummaryWriter  # optional: the preflight found it installed
     try:
-        _run["writer"] = SummaryWriter(os.path.join(args.output_dir, "tensorboard"), purge_step=first_iteration)
+        RUN.records["writer"] = SummaryWriter(os.path.join(args.output_dir, "tensorboard"), purge_step=first_iteration)
     except OSError as error:
         fail(f"cannot write TensorBoard's files in {args.output_dir} ({error})", this_rank=True)
 
 
 def draw(iteration, loss, lr, images_per_s):
-    """The training curves' points, at the iteration (continued on resume). A write that fails (a full disk) says so
-    once and draws no more: the epoch's checkpoint then stops the run with one line."""
-    writer = _run["writer"]
+    """The training curves' points into TensorBoard's files (with --tensorboard), at the iteration (continued on
+    resume). A write that fails (a full disk) says so once and draws no more: the epoch's checkpoint then stops the
+    run with one line."""
+    writer = RUN.records["writer"]
     if writer is None:
         return
     try:
@@ -50,11 +51,11 @@ def draw(iteration, loss, lr, images_per_s):
             writer.add_scalar(name, value, iteration)
     except OSError as error:
         log(f"warning: TensorBoard cannot write ({error}): no curves for the rest of this run")
-        _run["writer"] = None
+        RUN.records["writer"] = None
 
 
-def close_writer():
-    writer, _run["writer"] = _run["writer"], None
+def close_tensorboard():
+    writer, RUN.records["writer"] = RUN.records["writer"], None
     if writer is not None:
         with contextlib.suppress(OSError):  # a full disk now: said already
             writer.close()
@@ -102,7 +103,7 @@ def save_picture(path, sample, colors):
 def write_epoch(args, epoch, steps_per_epoch, stats, train_loss, evaluation, sample, state, is_best):
     """After an epoch's evaluation, before main.py saves checkpoint.pth (rank 0 alone): best.pth when the mIoU is the
     best yet, the picture, a line of metrics.jsonl, TensorBoard's points, and what the user should know. A run
-    stopped between these writes resumes before this epoch, and writes them all again (continue_run_at drops the
+    stopped between these writes resumes before this epoch, and writes them all again (rewrite_run_files_at drops the
     line). A write that fails is told to the ranks' vote after the epoch (stops.write_failed). stats:
     main.EpochStats; evaluation: main.Evaluation; sample: picture()'s; state: the checkpoint about to be saved."""
     if not is_main_process():
@@ -120,7 +121,7 @@ def write_epoch(args, epoch, steps_per_epoch, stats, train_loss, evaluation, sam
                              state["classes"]["colors"])
         with open(os.path.join(args.output_dir, "metrics.jsonl"), "a") as f:
             f.write(json.dumps(record) + "\n")
-        if _run["writer"] is not None:
+        if RUN.records["writer"] is not None:
             _draw_epoch(record, drawn)
     except (OSError, RuntimeError) as error:  # torch.save says a failed write as a RuntimeError
         if not hasattr(error, "free_mib"):
@@ -132,8 +133,8 @@ def write_epoch(args, epoch, steps_per_epoch, stats, train_loss, evaluation, sam
         log(f"note: the training loop waited {stats.data_wait:.0%} of its time for data: raise -j if the machine has "
             "the cores" + ("" if args.cache_dir else ", or decode once with --cache-dir"))
     left = args.epochs - epoch - 1
-    if not _run["estimated"] and left:  # after the run's first epoch, so that nobody wonders whether it hangs
-        _run["estimated"] = True
+    if not RUN.records["estimated"] and left:  # after the run's first epoch, so that nobody wonders whether it hangs
+        RUN.records["estimated"] = True
         training = stats.seconds * steps_per_epoch / max(stats.steps, 1)  # a whole epoch's, also when it resumed
         estimate = (training + evaluation.seconds) * left
         log(f"the other {left} epoch(s) will take about {timedelta(seconds=round(estimate))}")
@@ -141,7 +142,7 @@ def write_epoch(args, epoch, steps_per_epoch, stats, train_loss, evaluation, sam
 
 def _draw_epoch(record, picture):
     """The epoch's points, at the iteration it ends on (the step curves' x-axis), and its picture."""
-    writer, iteration = _run["writer"], record["iteration"]
+    writer, iteration = RUN.records["writer"], record["iteration"]
     for name, value in [("val/mIoU", record["miou"]), ("train/epoch_loss", record["train_loss"]),
                         *((f"val_IoU/{name}", value) for name, value in record["iou"].items())]:
         if value is not None and not math.isnan(value):  # a class absent from val has no IoU

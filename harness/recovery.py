@@ -3,13 +3,14 @@ is named; a wait says what it waits for.
 
     @recovery.guarded("main.py")             # around main(args): mistakes, out of memory, a lost peer -> one line
     def main(args): ...
-    recovery.watch_peers(minutes)             # before init_process_group: says what it waits for; then heartbeats
+    recovery.start_heartbeat(minutes)         # before init_process_group: says what it waits for; then a thread
+                                              # writes this rank's heartbeat into the process group's store
     recovery.stop_heartbeat()                 # before destroy_process_group
 
 A mistake the user can fix (errors.UserError, images.BadInput, models.WeightsError) ends with `main.py: error: ...`
 (or `predict.py: error: ...`) on one line, said by the rank that met it, once: under torchrun a restarted worker
 does not repeat it (a restart is for a lost process or peer, not for a bad file). Only global rank 0 logs
-progress and writes files.
+progress and writes files. This module's state is job.RUN.guard.
 """
 import functools
 import json
@@ -21,19 +22,14 @@ import time
 import traceback
 from contextlib import contextmanager
 from datetime import timedelta
-from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
 
 from . import job, paths, records, stops
-from .errors import BadInput, Finished, UserError, fail, first_line
-from .job import get_rank, get_world_size, is_main_process, log
+from .errors import BadInput, Finished, UserError, first_line
+from .job import RUN, get_rank, get_world_size, is_main_process, log
 from models import WeightsError
-
-# This module's state, in one place: set as a run starts, read when it ends and by the heartbeat's thread.
-_state = SimpleNamespace(program="main.py", args=None, output_dir=None, started=time.time(), watcher=None,
-                         waiting_since=None)
 
 
 def _one_line(error):
@@ -60,18 +56,8 @@ def guard(program, args=None):
     - errors.Finished (--check-only done, a stop saved): exit 0.
     Anything else is a bug, not a mistake: its traceback is kept. main.py's signals are stops.py's while it runs.
     args: the program's flags (where a mistake is recorded for the peers and restarts, the out-of-memory line)."""
-    # A run starts with nothing said and no signal seen (a second run in one process too: the tests').
-    _state.program, _state.args, _state.started = program, args, time.time()
-    _state.output_dir = getattr(args, "output_dir", None) if program == "main.py" else None
     try:
-        job.read_environment(program)
-        _exit_if_stopped_before()
-        # A training run's signals finish the step and save; -e's, the preflight's and predict.py's end it at once.
-        stops.install(training=program == "main.py" and not (args.evaluate or args.check_only))
-        if stops.stop_signal() is not None:  # run.sh passed a stop on while this worker started (torchrun restarted it)
-            log(f"{program}: stopped before it began its work (a stop was asked for while it started): nothing "
-                f"changed. To go on, {job.resume_advice()}")
-            sys.exit(0)
+        _begin(program, args)
         yield
     except Finished:
         stop_heartbeat()
@@ -86,29 +72,45 @@ def guard(program, args=None):
         sys.exit(130)
     except (UserError, WeightsError) as error:
         if isinstance(error, paths.Held):  # another run's folder: nothing of this run is written there
-            _state.output_dir = None
+            RUN.guard.output_dir = None
         if getattr(error, "this_rank", False) and get_world_size() > 1:
-            _stop(f"rank {get_rank()}: {error}", say_it=True)
-        _stop(str(error), say_it=is_main_process())
+            _say_record_and_exit(f"rank {get_rank()}: {error}", say_it=True)
+        _say_record_and_exit(str(error), say_it=is_main_process())
     except BadInput as error:
         if not dist.is_initialized():
-            _stop(_one_line(error), say_it=is_main_process())
+            _say_record_and_exit(_one_line(error), say_it=is_main_process())
         prefix = f"rank {get_rank()}: " if get_world_size() > 1 else ""
-        _stop(prefix + _one_line(error), say_it=True)
+        _say_record_and_exit(prefix + _one_line(error), say_it=True)
     except Exception as error:
         if isinstance(error, torch.OutOfMemoryError) or is_cpu_out_of_memory(error):
             prefix = f"rank {get_rank()}: " if get_world_size() > 1 else ""
-            _stop(prefix + out_of_memory(error), say_it=True)
+            _say_record_and_exit(prefix + out_of_memory(error), say_it=True)
         if isinstance(error, dist.DistError) and not dist.is_initialized():
-            _stop(f"rank {get_rank()}: " + _did_not_meet(error), say_it=True)
+            _say_record_and_exit(f"rank {get_rank()}: " + _did_not_meet(error), say_it=True)
         if not (dist.is_initialized() and is_collective_failure(error)):
             raise
         _lost_peer(error)
     finally:
         stops.restore()
         stop_heartbeat()
-        records.close_writer()
+        records.close_tensorboard()
         paths.release_output()  # --output-dir free for the next run (paths.hold_output)
+
+
+def _begin(program, args):
+    """A run starts with nothing said and no signal seen (a second run in one process too: the tests'): the
+    launcher's variables read, a torchrun restart of a job stopped on a mistake ended at once, the stop signals
+    installed."""
+    RUN.guard = job.Guard(program=program, args=args,
+                          output_dir=getattr(args, "output_dir", None) if program == "main.py" else None)
+    job.read_environment(program)
+    _exit_or_clear_stop_record()
+    # A training run's signals finish the step and save; -e's, the preflight's and predict.py's end it at once.
+    stops.install(training=program == "main.py" and not (args.evaluate or args.check_only))
+    if stops.stop_signal() is not None:  # run.sh passed a stop on while this worker started (torchrun restarted it)
+        log(f"{program}: stopped before it began its work (a stop was asked for while it started): nothing "
+            f"changed. To go on, {job.resume_advice()}")
+        sys.exit(0)
 
 
 def guarded(program):
@@ -127,15 +129,15 @@ def _lost_peer(error):
     paths.release_output()
     if _peer_stopped_on_a_mistake():
         os._exit(1)  # the rank that met it said why; not sys.exit: a broken process group can hang
-    checkpoint = job.checkpoint_path(_state.output_dir) if _state.output_dir else None
+    checkpoint = job.checkpoint_path(RUN.guard.output_dir) if RUN.guard.output_dir else None
     last = ""
-    if getattr(_state.args, "evaluate", False):
+    if getattr(RUN.guard.args, "evaluate", False):
         last = " Run the same command again to evaluate"
     elif checkpoint and os.path.isfile(checkpoint):
         last = f" The last checkpoint: {checkpoint}; {job.resume_advice()}"
     elif checkpoint:
         last = " No checkpoint was written yet: run the same command again to start over"
-    print(f"{_state.program}: error: rank {get_rank()}: a collective failed or waited more than --dist-timeout "
+    print(f"{RUN.guard.program}: error: rank {get_rank()}: a collective failed or waited more than --dist-timeout "
           f"({_one_line(error)}). {describe_peers()}.{last}", file=sys.stderr, flush=True)
     os._exit(1)
 
@@ -182,7 +184,7 @@ def out_of_memory(error):
         if frame.name in _PHASES and os.path.basename(frame.filename) in ("main.py", "predict.py"):
             phase = _PHASES[frame.name]
             break
-    args = _state.args
+    args = RUN.guard.args
     device, total, peak = memory_figures()
     precision = getattr(args, "amp", None) or "fp32"
     crop = getattr(args, "eval_crop", None)
@@ -206,7 +208,7 @@ def out_of_memory(error):
     else:
         settings = "before the first step"
         tries.append("a smaller model (--model)")
-    under_run_sh = job.env().under_run_sh and _state.program == "main.py"
+    under_run_sh = job.env().under_run_sh and RUN.guard.program == "main.py"
     advice = ", ".join(tries[:-1]) + (", or " if len(tries) > 1 else "") + tries[-1]
     return (f"out of memory in {phase} ({settings}, {precision}; {device}: {total:.1f} GiB in all, {peak:.1f} GiB at "
             f"the peak): try {advice}" + (" (after ./run.sh)" if under_run_sh else ""))
@@ -241,13 +243,13 @@ def _stop_files():
     folder for when the output folder cannot be written (a full disk)."""
     run_id = job.env().run_id or "none"
     mine = os.path.join(tempfile.gettempdir(), f"deeplab-stopped-{run_id}.json")
-    return [os.path.join(_state.output_dir, ".stopped.json"), mine] if _state.output_dir else [mine]
+    return [os.path.join(RUN.guard.output_dir, ".stopped.json"), mine] if RUN.guard.output_dir else [mine]
 
 
-def _stop(message, say_it):
-    """Say the one line, record it for the peers and for torchrun's restarts, exit 1."""
+def _say_record_and_exit(message, say_it):
+    """Say the one line, record it for the peers and for torchrun's restarts (a file: _stop_files), exit 1."""
     if say_it:
-        print(f"{_state.program}: error: {message}", file=sys.stderr, flush=True)
+        print(f"{RUN.guard.program}: error: {message}", file=sys.stderr, flush=True)
         if get_world_size() > 1 or job.env().run_id is not None:
             record = {"run_id": job.env().run_id or "", "time": time.time(), "message": message}
             for path in _stop_files():
@@ -278,10 +280,10 @@ def _read_stop_file():
 
 def _peer_stopped_on_a_mistake():
     record = _read_stop_file()
-    return record is not None and record.get("time", 0) >= _state.started
+    return record is not None and record.get("time", 0) >= RUN.guard.started
 
 
-def _exit_if_stopped_before():
+def _exit_or_clear_stop_record():
     """torchrun restarts every worker when one exits non-zero, whatever the reason. A worker that stopped
     on a mistake recorded it: a restarted worker of the same torchrun job exits at once, without a word
     (the line was said), so the job ends after torchrun's restarts run out, seconds later, instead of
@@ -303,27 +305,30 @@ def _exit_if_stopped_before():
 HEARTBEAT_S = 2.0
 
 
-def watch_peers(minutes, after_s=5.0, every_s=60.0):
+def start_heartbeat(minutes, after_s=5.0, every_s=60.0):
     """Before init_process_group, on every rank: a thread that, while the process group forms, says after after_s
     seconds and then every every_s what this process waits for, where, and when it gives up (rank 0 and each node's
     first process); and once the group exists writes (time, steps done) of this rank into the store it met at,
     every HEARTBEAT_S: a rank that is stopped, killed or cut off falls silent, one stuck in its own work falls
     behind. When a collective fails, describe_peers() reads this to name the rank. stop_heartbeat() ends it."""
-    env, stopping = job.env(), threading.Event()
-    gives_up = time.strftime("%H:%M:%S", time.localtime(time.time() + minutes * 60))
-    _state.waiting_since = time.time()
+    env, stopping, since = job.env(), threading.Event(), time.time()
+    gives_up = time.strftime("%H:%M:%S", time.localtime(since + minutes * 60))
+    RUN.guard.waiting_since = since
 
-    def watch():
-        say_at = _state.waiting_since + after_s
+    def beat():
+        say_at = since + after_s
         while not dist.is_initialized():
             if stopping.wait(0.2):
                 return
             if time.time() >= say_at and (env.rank == 0 or env.local_rank == 0):
-                print(f"{_state.program}: rank {env.rank}: waiting {time.time() - _state.waiting_since:.0f} s for the "
+                print(f"{env.program}: rank {env.rank}: waiting {time.time() - since:.0f} s for the "
                       f"{env.world_size} processes to meet at {env.master} (the process group); it gives up at "
                       f"{gives_up} (--dist-timeout {minutes:g} min)", file=sys.stderr, flush=True)
                 say_at += every_s
-        store, key = dist.distributed_c10d._get_default_store(), f"heartbeat/{get_rank()}"
+        try:
+            store, key = _group_store(), _heartbeat_key(get_rank())
+        except Exception:  # the store is gone already: the job is ending
+            return
         while not stopping.is_set() and dist.is_initialized():
             try:
                 store.set(key, f"{time.time()} {stops.steps_done()}")
@@ -331,24 +336,39 @@ def watch_peers(minutes, after_s=5.0, every_s=60.0):
                 return
             stopping.wait(HEARTBEAT_S)
 
-    thread = threading.Thread(target=watch, daemon=True, name="peers")
+    thread = threading.Thread(target=beat, daemon=True, name="peers")
     thread.start()
-    _state.watcher = (thread, stopping)
+    RUN.guard.heartbeat = (thread, stopping)
 
 
 def stop_heartbeat():
-    if _state.watcher is not None:
-        thread, stopping = _state.watcher
+    if RUN.guard.heartbeat is not None:
+        thread, stopping = RUN.guard.heartbeat
         stopping.set()
         thread.join(timeout=10)
-        _state.watcher = None
+        RUN.guard.heartbeat = None
+
+
+def _group_store(timeout_s=5.0):
+    """A connection of this process's own to the store the process group met at: init_process_group's env://
+    rendezvous serves it at MASTER_ADDR:MASTER_PORT (rank 0 hosts it, or torchrun). Through torch's public
+    TCPStore, not the group's own connection, which torch keeps private. timeout_s: for each call too (the
+    launcher may be tearing the store down: do not wait on it)."""
+    host, port = job.env().master.rsplit(":", 1)
+    return dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s),
+                         wait_for_workers=False)
+
+
+def _heartbeat_key(rank):
+    """A key of each torchrun attempt's own: torchrun's store can outlive an attempt, and its heartbeats."""
+    return f"deeplab/heartbeat/{job.env().restarts}/{rank}"
 
 
 def _did_not_meet(error):
     """init_process_group gave up (the store says how many came), the address is not there, or rank 0 could not
     listen at MASTER_PORT (another program, or another run, holds it)."""
     env = job.env()
-    waited = time.time() - (_state.waiting_since or time.time())
+    waited = time.time() - (RUN.guard.waiting_since or time.time())
     if "EADDRINUSE" in str(error):
         return (f"MASTER_PORT {env.master.rsplit(':', 1)[-1]} is taken on this machine by another program (another "
                 "run?): give another MASTER_PORT, or end the other; torchrun --standalone finds a free port itself")
@@ -358,16 +378,16 @@ def _did_not_meet(error):
 
 
 def describe_peers():
+    """Which rank a failed collective lost, from the heartbeats in the group's store: one line."""
     try:
-        store = dist.distributed_c10d._get_default_store()
-        store.set_timeout(timedelta(seconds=5))  # the launcher may be tearing it down: do not wait on it
+        store = _group_store()
     except Exception:
         return "no heartbeat to tell which rank"
     now, beats, world_size = time.time(), {}, get_world_size()
     for rank in range(world_size):
         try:
-            if store.check([f"heartbeat/{rank}"]):
-                stamp, step = store.get(f"heartbeat/{rank}").decode().split()
+            if store.check([_heartbeat_key(rank)]):
+                stamp, step = store.get(_heartbeat_key(rank)).decode().split()
                 beats[rank] = (now - float(stamp), int(step))
         except Exception:
             pass

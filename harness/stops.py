@@ -7,11 +7,15 @@ told to send before a job's time is up, Slurm's --signal=USR1@120). A write to a
 under the log, costs the line, not the run.
 
     stops.install()                     # recovery.guard, as main.py starts: the stop signals finish the step
-    stops.begin(), stops.ranks_met()    # the preflight's end; after init_process_group (see begin)
+    stops.preflight_ended()             # the preflight's end: from here a stop saves first (see there)
+    stops.process_group_formed()        # after init_process_group
     stops.shield_workers(loader, ...)   # DataLoader workers leave a stop to the process that reads them
-    if stops.requested(loss): break     # each optimizer step votes, and reads the vote of the step before
+    if stops.ranks_vote_to_stop(loss): break   # a collective each optimizer step: its vote cast, the step before's read
     stops.save_if_stopped(epoch, step, steps_per_epoch, save)   # after an epoch's steps: save there and end
-    stops.stop_after_epoch(last)                    # after an epoch's files: a signal during its evaluation
+    stops.ranks_vote_after_epoch(last)  # a collective after an epoch's files: a signal during its evaluation
+
+A name that begins with ranks_ is a collective (here and in the whole harness): every rank calls it, at the same
+point. This module's state is job.RUN.stops.
 """
 import errno
 import functools
@@ -21,18 +25,15 @@ import sys
 import threading
 import time
 from contextlib import contextmanager
-from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
 
 from . import job, paths
 from .errors import Finished, fail
-from .job import log
+from .job import RUN, log
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
-_state = SimpleNamespace(signal=None, signal_time=0.0, handlers=None, vote=None, decision=None, steps=0,
-                         deferring=False, begun=False, problem=None)
 
 
 class Interrupted(Exception):
@@ -42,13 +43,13 @@ class Interrupted(Exception):
 # --- signals ----------------------------------------------------------------------------------------------------
 def install(training=True):
     """A run starts with no signal seen. A training run's stop signals (STOP_SIGNALS): before the preflight has ended
-    (begin()), nothing is trained and nothing waits for this process, and the run ends at once (Interrupted); after,
-    the signal is noted and acted on where every rank can stop together (requested, stop_after_epoch), instead of
-    killing the process mid-step. Other runs (-e, the preflight) keep their own handlers: a stop ends them."""
-    _state.signal, _state.vote, _state.decision, _state.steps, _state.problem = None, None, None, 0, None
-    _state.deferring = _state.begun = False
+    (preflight_ended()), nothing is trained and nothing waits for this process, and the run ends at once
+    (Interrupted); after, the signal is noted and acted on where every rank can stop together (ranks_vote_to_stop,
+    ranks_vote_after_epoch), instead of killing the process mid-step. Other runs (-e, the preflight) keep their own
+    handlers: a stop ends them. A training run's sys.stdout and sys.stderr are wrapped as well (_Terminal)."""
+    RUN.stops = job.Stops(handlers=RUN.stops.handlers)  # (handlers: those to put back, until restore() has)
     if training:
-        _state.handlers = {signum: signal.signal(signum, _on_signal) for signum in STOP_SIGNALS}
+        RUN.stops.handlers = {signum: signal.signal(signum, _on_signal) for signum in STOP_SIGNALS}
         if sys.stdout is not None:  # (None: this process was started with its output closed)
             sys.stdout = _Terminal(sys.stdout)
         if sys.stderr is not None:
@@ -59,55 +60,55 @@ def install(training=True):
 def deferred():
     """Around writes that must not stop half-way (the preflight moving an old run aside): a signal that comes
     meanwhile ends the run after them."""
-    _state.deferring = True
+    RUN.stops.deferring = True
     try:
         yield
     finally:
-        _state.deferring = False
-    if _state.handlers is not None and _state.signal is not None and _before_training():
-        raise Interrupted(_state.signal)
+        RUN.stops.deferring = False
+    if RUN.stops.handlers is not None and RUN.stops.signal is not None and _before_training():
+        raise Interrupted(RUN.stops.signal)
 
 
-def begin():
+def preflight_ended():
     """The preflight has ended: from here a stop saves first. With a process group, once the ranks have met
-    (ranks_met()): init_process_group waits for them inside torch's C++, which retries a call a signal interrupts and
-    so never lets a Python handler run (a stop would wait out --dist-timeout). Meanwhile the stop signals do what
-    they did before this run (a signal ignored, as run.sh has torchrun ignore SIGUSR1, stays ignored), or their
-    default, which ends the process at once."""
-    _state.begun = True
-    if job.env().distributed and _state.handlers is not None:
-        for signum, before in _state.handlers.items():
+    (process_group_formed()): init_process_group waits for them inside torch's C++, which retries a call a signal
+    interrupts and so never lets a Python handler run (a stop would wait out --dist-timeout). Meanwhile the stop
+    signals do what they did before this run (a signal ignored, as run.sh has torchrun ignore SIGUSR1, stays
+    ignored), or their default, which ends the process at once."""
+    RUN.stops.begun = True
+    if job.env().distributed and RUN.stops.handlers is not None:
+        for signum, before in RUN.stops.handlers.items():
             signal.signal(signum, signal.SIG_IGN if before == signal.SIG_IGN else signal.SIG_DFL)
 
 
-def ranks_met():
+def process_group_formed():
     """After init_process_group: the ranks have met, and a stop is noted again, to save at the next step."""
-    if _state.handlers is not None:
+    if RUN.stops.handlers is not None:
         for signum in STOP_SIGNALS:
             signal.signal(signum, _on_signal)
 
 
 def _before_training():
-    return not _state.begun
+    return not RUN.stops.begun
 
 
 def restore():
     """The signals back to what they did before this run (a second run in one process: the tests')."""
-    if _state.handlers is not None:
-        for signum, handler in _state.handlers.items():
+    if RUN.stops.handlers is not None:
+        for signum, handler in RUN.stops.handlers.items():
             signal.signal(signum, handler)
-        _state.handlers = None
+        RUN.stops.handlers = None
     for name in ("stdout", "stderr"):
         if isinstance(getattr(sys, name), _Terminal):
             setattr(sys, name, getattr(sys, name).stream)
 
 
 def _on_signal(signum, frame):
-    if _state.signal is None:
-        _state.signal, _state.signal_time = signum, time.time()
-        if _before_training() and not _state.deferring:
+    if RUN.stops.signal is None:
+        RUN.stops.signal, RUN.stops.signal_time = signum, time.time()
+        if _before_training() and not RUN.stops.deferring:
             raise Interrupted(signum)
-    elif time.time() - _state.signal_time > 1.0:  # a second signal (not a copy of the first, which a
+    elif time.time() - RUN.stops.signal_time > 1.0:  # a second signal (not a copy of the first, which a
         signal.signal(signum, signal.SIG_DFL)     # scheduler and a launcher may both send): stop now
         os.kill(os.getpid(), signum)
 
@@ -153,20 +154,20 @@ def stop_signal():
     file DEEPLAB_STOP_FILE names: a worker that was still starting then (the signal killed it before it had
     handlers, and torchrun started it again) or not yet started learns it there."""
     stop_file = job.env().stop_file
-    if _state.signal is None and stop_file and os.path.exists(stop_file):
+    if RUN.stops.signal is None and stop_file and os.path.exists(stop_file):
         try:
             with open(stop_file) as f:
                 name = f.read().strip()
         except OSError:
             name = "TERM"  # gone again (run.sh ended) or unreadable: it was there, a stop was asked for
-        _state.signal = int(getattr(signal, f"SIG{name}", signal.SIGTERM))
-        _state.signal_time = time.time()
-    return _state.signal
+        RUN.stops.signal = int(getattr(signal, f"SIG{name}", signal.SIGTERM))
+        RUN.stops.signal_time = time.time()
+    return RUN.stops.signal
 
 
 def steps_done():
     """Optimizer steps this process has voted on: how far it got, for its heartbeat (recovery.py)."""
-    return _state.steps
+    return RUN.stops.steps
 
 
 # --- DataLoader workers -------------------------------------------------------------------------------------------
@@ -246,35 +247,36 @@ class StopVote:
         return "nonfinite" if nonfinite else "signal" if signal_seen else None
 
 
-def requested(loss):
-    """Each optimizer step, on every rank: this step's vote cast, the one before read. -> whether every rank stops
-    now (they all read the same decision)."""
-    if _state.vote is None:
-        _state.vote = StopVote(loss.device)
-    _state.steps += 1
-    decision = _state.vote.cast(loss)
-    _state.decision = _state.decision or decision
+def ranks_vote_to_stop(loss):
+    """A collective, each optimizer step, on every rank: this step's vote cast (an all_reduce), the one before read.
+    -> whether every rank stops now (they all read the same decision)."""
+    if RUN.stops.vote is None:
+        RUN.stops.vote = StopVote(loss.device)
+    RUN.stops.steps += 1
+    decision = RUN.stops.vote.cast(loss)
+    RUN.stops.decision = RUN.stops.decision or decision
     return decision is not None
 
 
-def write_problem():
+def pending_write_failure():
     """The line of a file rank 0 could not write, while the ranks have not yet stopped on it; or None."""
-    return _state.problem
+    return RUN.stops.problem
 
 
 def write_failed(message):
     """Rank 0 could not write a file of the run (a full disk): said when every rank stops together (the first such
-    line), at the next vote (save_if_stopped, stop_after_epoch), not by rank 0 alone while the others wait for it."""
-    _state.problem = _state.problem or message
+    line), at the next vote (save_if_stopped, ranks_vote_after_epoch), not by rank 0 alone while the others wait for
+    it."""
+    RUN.stops.problem = RUN.stops.problem or message
 
 
 def save_if_stopped(epoch, step, steps_per_epoch, save):
     """After an epoch's steps, every rank at the same step (the next to run: step). A NaN or infinite loss, here or
     in the last steps' votes: nothing saved, exit 1 (a restart would meet it again). A signal part-way through
     the epoch: rank 0 calls save(step), every rank ends the run (exit 0). A signal at the epoch's last step: the
-    epoch is evaluated and saved first (stop_after_epoch)."""
-    vote, decision = _state.vote, _state.decision
-    _state.vote = _state.decision = None
+    epoch is evaluated and saved first (ranks_vote_after_epoch)."""
+    vote, decision = RUN.stops.vote, RUN.stops.decision
+    RUN.stops.vote = RUN.stops.decision = None
     if vote is not None and decision is None:
         decision = vote.result()  # the last step's vote
     if decision == "nonfinite":
@@ -285,25 +287,26 @@ def save_if_stopped(epoch, step, steps_per_epoch, save):
     if decision == "signal" and step < steps_per_epoch:
         if job.is_main_process():
             save(step)
-            if _state.problem:  # no collective follows: rank 0 says it and ends; the others end as stopped
-                fail(_state.problem, this_rank=True)
+            if RUN.stops.problem:  # no collective follows: rank 0 says it and ends; the others end as stopped
+                fail(RUN.stops.problem, this_rank=True)
         log(f"stopped by signal {stop_signal() or 'on another rank'} at epoch {epoch} step {step}/{steps_per_epoch}; "
             f"saved {job.checkpoint_path()}. To resume, {job.resume_advice()}")
         raise Finished
 
 
-def stop_after_epoch(last=False):
-    """After an epoch's files, every rank learns whether rank 0 could not write them (a full disk: all stop with its
-    line, exit 1) and whether a signal reached any rank during the evaluation (or at the epoch's last step: all end
-    the run, exit 0, the epoch saved). last: the epoch was the last one, so there is nothing left to stop."""
-    flags = torch.tensor([float(stop_signal() is not None), float(_state.problem is not None)])
+def ranks_vote_after_epoch(last=False):
+    """A collective after an epoch's files, on every rank: each learns whether rank 0 could not write them (a full
+    disk: all stop with its line, exit 1) and whether a signal reached any rank during the evaluation (or at the
+    epoch's last step: all end the run, exit 0, the epoch saved). last: the epoch was the last one, so there is
+    nothing left to stop."""
+    flags = torch.tensor([float(stop_signal() is not None), float(RUN.stops.problem is not None)])
     if dist.is_initialized():
         if dist.get_backend() == "nccl":  # NCCL reduces GPU tensors only
             flags = flags.cuda()
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
     signal_seen, write_failed_somewhere = flags.tolist()
     if write_failed_somewhere:
-        fail(_state.problem or "rank 0 could not write this epoch's files")  # rank 0 has the line and says it
+        fail(RUN.stops.problem or "rank 0 could not write this epoch's files")  # rank 0 has the line and says it
     if not signal_seen:
         return
     if last:

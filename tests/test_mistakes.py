@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import main
-from harness import checkpoints, errors, paths, stops
+from harness import checkpoints, errors, job, paths, stops
 from conftest import ROOT, TRAIN_ARGS
 
 
@@ -156,7 +156,7 @@ def test_a_torn_metrics_line_is_dropped_on_resume(tmp_path):
     path = str(tmp_path / "metrics.jsonl")
     with open(path, "w") as f:
         f.write('{"epoch": 0, "miou": 0.5}\n{"epoch": 1, "miou": 0.6}\n{"epoch": 2, "mi')  # killed mid-line
-    checkpoints.continue_run_at(SimpleNamespace(output_dir=str(tmp_path)), checkpoints.Start(), 2, 0)
+    checkpoints.rewrite_run_files_at(SimpleNamespace(output_dir=str(tmp_path)), checkpoints.Start(), 2, 0)
     with open(path) as f:
         assert f.read() == '{"epoch": 0, "miou": 0.5}\n{"epoch": 1, "miou": 0.6}\n'  # the next line starts whole
 
@@ -211,7 +211,7 @@ def test_a_full_disk_keeps_the_previous_checkpoint_and_no_half_file(tmp_path, mo
         stops.install(training=False)  # a run's start: nothing failed yet
         main.save_checkpoint({"epoch": 3}, path)  # rank 0's failure waits for the ranks' vote, which every rank joins
         with pytest.raises(errors.UserError) as raised:
-            stops.stop_after_epoch()
+            stops.ranks_vote_after_epoch()
         assert "(no space left on device; 0 MiB free there when it failed)" in str(raised.value), raised.value
         assert "checkpoint.pth is the last one written" in str(raised.value)
         assert _snapshot(str(tmp_path)) == before  # no .tmp left, checkpoint.pth and .prev.pth as they were
@@ -255,6 +255,9 @@ def test_the_data_folder_as_people_have_it(tiny_data, tmp_path, previous_run, ca
     ({"NNODES": "2", "NODE_RANK": "2"}, "NODE_RANK=2: nodes are numbered 0 to NNODES-1 (1)"),
     ({"NODE_RANK": "-1"}, "NODE_RANK=-1: give a whole number of at least 0"),
     ({"MAX_RESTARTS": "-1"}, "MAX_RESTARTS=-1: give a whole number of at least 0"),
+    ({"MAX_RESTARTS": "99999999999999999999"}, "MAX_RESTARTS=99999999999999999999: give a whole number of at most "
+                                               "999999999"),  # past bash's integers, which wrap without a word
+    ({"NPROC": "000"}, "NPROC=000: give a whole number of at least 1"),
     ({"MASTER_PORT": "http"}, "MASTER_PORT=http: give a whole number of at least 1"),
     ({"MASTER_PORT": "70000"}, "MASTER_PORT=70000: a port is at most 65535"),
 ])
@@ -265,6 +268,16 @@ def test_run_sh_variables_are_checked_before_anything_runs(variables, expect, pr
     output = result.stdout + result.stderr
     assert result.returncode == 1 and output.strip() == f"run.sh: error: {expect}", output
     assert _snapshot(previous_run) == before
+
+
+def test_run_sh_reads_a_leading_zero_as_decimal(tiny_data, tmp_path):
+    """bash's arithmetic would read NPROC=010 as eight processes (and NPROC=08 as an error): ten are counted."""
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "DATA": tiny_data, "OUTPUT_DIR": str(tmp_path / "out"),
+           "NPROC": "010"}
+    result = subprocess.run(["./run.sh", *TRAIN_ARGS], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert result.stderr.strip().splitlines()[-1] == ("main.py: error: 10 processes but only 5 val images: use at "
+                                                       "most 5 processes in all (NPROC x NNODES)"), result.stderr
 
 
 # --- nothing the user made is written over: what a command reads, and where it writes -------------------------
@@ -324,7 +337,7 @@ def test_the_advice_after_a_stop_continues_the_run_instead_of_starting_over(tiny
     read = dataset.SegmentationFiles.__getitem__
 
     def signal_at_the_first_read(self, index):  # SIGTERM during the first step: the ranks stop one step later
-        if self.crop_size is not None and stops._state.signal is None:
+        if self.crop_size is not None and job.RUN.stops.signal is None:
             stops._on_signal(signal.SIGTERM, None)
         return read(self, index)
     monkeypatch.setattr(dataset.SegmentationFiles, "__getitem__", signal_at_the_first_read)
@@ -647,7 +660,8 @@ def test_a_rewind_s_start_becomes_the_run_s_checkpoint_so_a_restart_continues_it
     for name, text in (("checkpoint.pth", "epoch 6"), ("checkpoint.prev.pth", "epoch 5"), ("best.pth", "epoch 3")):
         (out / name).write_text(text)
     (out / "metrics.jsonl").write_text("".join(f'{{"epoch": {e}}}\n' for e in range(6)))
-    checkpoints.continue_run_at(SimpleNamespace(output_dir=str(out)), checkpoints.Start(str(out / "best.pth")), 3, 0)
+    start = checkpoints.Start(str(out / "best.pth"))
+    checkpoints.rewrite_run_files_at(SimpleNamespace(output_dir=str(out)), start, 3, 0)
     assert (out / "checkpoint.pth").read_text() == "epoch 3" and not (out / "checkpoint.prev.pth").exists()
     kept = {path.name.split(".rewound-")[0]: path.read_text() for path in out.iterdir() if ".rewound-" in path.name}
     assert kept == {"checkpoint": "epoch 6", "checkpoint.prev": "epoch 5", "metrics": '{"epoch": 3}\n{"epoch": 4}\n'

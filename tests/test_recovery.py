@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 
-from harness import checkpoints, recovery, stops
+from harness import checkpoints, job, recovery, stops
 from conftest import ROOT, SLOW_ARGS, TRAIN_ARGS, free_port, processes_mentioning, run
 
 PY = sys.executable
@@ -526,7 +526,7 @@ def test_the_stop_vote_is_read_one_step_late_and_never_lets_a_nan_be_saved():
     try:
         vote = stops.StopVote(cpu)
         assert [vote.cast(fine), vote.cast(fine)] == [None, None]
-        stops._state.signal = signal.SIGTERM  # arrives during the third step
+        job.RUN.stops.signal = signal.SIGTERM  # arrives during the third step
         assert vote.cast(fine) is None  # the second step's vote: nothing then
         assert vote.cast(fine) == "signal"  # the third's, read at the fourth: every rank stops there, saving it
         vote = stops.StopVote(cpu)
@@ -535,11 +535,11 @@ def test_the_stop_vote_is_read_one_step_late_and_never_lets_a_nan_be_saved():
         vote = stops.StopVote(cpu)
         vote.cast(fine)
         assert vote.cast(fine) == "signal" and vote.cast(nan) is None  # (the stop was read before this step)
-        stops._state.signal = None
+        job.RUN.stops.signal = None
         vote = stops.StopVote(cpu)
         assert vote.cast(fine) is None and vote.cast(nan) is None and vote.result() == "nonfinite"  # the last step
     finally:
-        stops._state.signal = None
+        job.RUN.stops.signal = None
 
 
 def test_a_stop_in_the_middle_of_an_accumulation_finishes_its_step_and_resumes_bitwise(data24, tmp_path,
@@ -575,3 +575,39 @@ def test_a_stop_in_the_middle_of_an_accumulation_finishes_its_step_and_resumes_b
     said = capfd.readouterr().out
     assert "at epoch 0 after step 3" in said and "note: the checkpoint was trained" not in said, said
     assert "epoch 0 step 4/6" in said and "epoch 0 step 3/6" not in said, said
+
+
+def test_the_heartbeat_goes_through_torch_s_public_store_where_the_peers_read_it(monkeypatch):
+    """recovery.py names nothing private of torch.distributed: each rank's heartbeat goes into the store the process
+    group met at (MASTER_ADDR:MASTER_PORT) through a public TCPStore of its own, where describe_peers reads every
+    rank's. One gloo process, in this one, world size 1."""
+    from datetime import timedelta
+    import torch.distributed as dist
+    for name, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0", "WORLD_SIZE": "1",
+                        "LOCAL_RANK": "0"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    job.read_environment("main.py")
+    recovery.start_heartbeat(0.5)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=30))
+    try:
+        deadline, said = time.time() + 20, ""
+        while "every rank alive" not in said and time.time() < deadline:
+            said = recovery.describe_peers()
+            time.sleep(0.2)
+        assert said.startswith("every rank alive and at the same step"), said
+    finally:
+        recovery.stop_heartbeat()
+        dist.destroy_process_group()
+        job.RUN.env = job.Environment()  # (the next test's run reads its own)
+
+
+def test_the_rendezvous_state_run_sh_s_wait_reads_is_still_torch_s():
+    """recovery.watch_rendezvous (run.sh's wait for the other nodes) unpickles torch's private _RendezvousState from
+    the c10d rendezvous's store and reads its complete and participants: a torch that changes them fails here, by
+    name, not as a wait that never counts a node."""
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+    state = getattr(dynamic_rendezvous, "_RendezvousState", None)
+    assert state is not None, "torch.distributed.elastic.rendezvous.dynamic_rendezvous._RendezvousState is gone"
+    fields = set(vars(state()))
+    assert {"complete", "participants"} <= fields, f"_RendezvousState has no complete or participants: {fields}"

@@ -12,7 +12,7 @@ import torch
 
 import dataset
 import main
-from harness import checkpoints, stops
+from harness import checkpoints, job, stops
 from conftest import ROOT, TRAIN_ARGS, free_port, processes_mentioning
 
 CPU_ENV = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
@@ -75,7 +75,7 @@ def test_a_stop_while_a_checkpoint_is_written_keeps_it_whole(tiny_data, tmp_path
     save = torch.save
 
     def signal_in_the_middle(state, f, *args, **kwargs):
-        if stops._state.signal is None:  # one signal, as the first file is written (a second would stop at once)
+        if job.RUN.stops.signal is None:  # one signal, as the first file is written (a second would stop at once)
             stops._on_signal(signal.SIGTERM, None)
         return save(state, f, *args, **kwargs)
     monkeypatch.setattr(torch, "save", signal_in_the_middle)
