@@ -366,13 +366,17 @@ def bench_cpu(quick):
     print(f"1. DDP scaling, batch {batch} per process at {size[0]}x{size[1]}: 1 process {one:.2f} img/s; "
           f"2 without communication {alone:.2f} ({alone / one / 2:.3f}); 2 with DDP {ddp:.2f}")
     rows.append(("DDP scaling efficiency, 2 gloo processes vs 1", f"{ddp / one / 2:.3f}", ">= 0.95", ddp / one / 2 >= 0.95))
+    # Every figure as a number, printed last in one JSON line, for a program to read (tests/test_bench.py).
+    figures = {"img_per_s": {"1 process": one, "2 without communication": alone, "2 with DDP": ddp},
+               "ddp_efficiency": ddp / one / 2}
 
     overhead, step_s = loop_overhead(batch, size, steps)
     print(f"2. loop overhead: bare step {step_s * 1000:.0f} ms; main.py's train_one_epoch {overhead * 100:+.2f}%")
     rows.append(("main.py's step vs a bare step", f"{overhead * 100:+.2f}%", "<= 2%", overhead <= 0.02))
+    figures.update(bare_step_s=step_s, loop_overhead=overhead)
 
     with tempfile.TemporaryDirectory() as tmp:
-        rows += data_section(tmp, quick)
+        rows += data_section(tmp, quick, figures)
 
         data = os.path.join(tmp, "data")
         size_wh = (256, 128) if quick else (1024, 512)
@@ -388,6 +392,7 @@ def bench_cpu(quick):
         print(f"4. peak resident memory per rank over {1 if quick else 2} epoch(s) of training, evaluation and rank 0's checkpoints: "
               + ", ".join(f"rank {r} {m:.3f} GiB" for r, m in enumerate(memory)))
         rows.append(("rank 0's peak memory over the others'", f"{excess * 100:+.1f}%", "<= 5%", excess <= 0.05))
+        figures.update(peak_memory_gib=memory, rank0_memory_excess=excess)
 
         times = {}
         for nproc in (1, 2):
@@ -397,8 +402,10 @@ def bench_cpu(quick):
         print(f"5. evaluation of {6 if quick else 24} val images at {size_wh[0]}x{size_wh[1]}: 1 process "
               f"{times[1]:.2f} s, 2 processes {times[2]:.2f} s (speed-up {times[1] / times[2]:.2f}x)")
         rows.append(("evaluation speed-up, 2 processes vs 1", f"{times[1] / times[2]:.2f}x", "(reported)", None))
+        figures["eval_time_s"] = {f"{nproc} process(es)": seconds for nproc, seconds in times.items()}
 
     print_table(rows)
+    print(json.dumps(figures))
 
 
 def print_table(rows):
@@ -407,8 +414,9 @@ def print_table(rows):
         print(f"{what:<46} {measured:>9} {target:>9}  {'-' if met is None else 'yes' if met else 'NO'}")
 
 
-def data_section(tmp, quick):
-    """3. The data pipeline on photo-like frames (as large and as slow to decode as real ones)."""
+def data_section(tmp, quick, figures=None):
+    """3. The data pipeline on photo-like frames (as large and as slow to decode as real ones). Its figures go into
+    figures, where given."""
     torch.set_num_threads(1)  # a DataLoader worker's share
     root, cache_dir = os.path.join(tmp, "photo"), os.path.join(tmp, "cache")
     size, crop = ((1024, 512), 384) if quick else ((2048, 1024), 768)
@@ -422,6 +430,8 @@ def data_section(tmp, quick):
     overhead = ours / times["decode alone"]
     print(f"   bytes a sample leaves a worker with: ours {sizes['ours']:,} (uint8), today {sizes['today']:,} "
           f"(float32 image)")
+    if figures is not None:
+        figures.update(data_samples_per_s={name: 1 / t for name, t in times.items()}, data_sample_bytes=sizes)
     rows = [("data pipeline vs resize-then-crop", f"{times['resize-then-crop'] / ours:.2f}x", ">= 1.7x",
              times["resize-then-crop"] / ours >= 1.7),
             ("data: ours vs today's (PIL, float in worker)", f"{today / ours:.2f}x", ">= 1.5x", today / ours >= 1.5),

@@ -183,6 +183,9 @@ trap 'rm -rf "$STOP_DIR"; [ -z "$WATCHER" ] || kill "$WATCHER" 2>/dev/null || tr
 # SIGUSR1 and SIGUSR2 ignored by torchrun (their default would kill it): a scheduler that sends one to every process
 # of the job leaves it to run.sh and the workers.
 trap '' USR1 USR2
+# torchrun starts the workers with $PYTHON_EXEC where it is set, else with its own interpreter: without it, the
+# workers run on the same $PYTHON as the check above, whatever an environment left in PYTHON_EXEC.
+unset PYTHON_EXEC
 setsid "$PYTHON" -m torch.distributed.run "${LAUNCH[@]}" --nproc_per_node "$NPROC" \
   --max-restarts "$MAX_RESTARTS" "${MAIN[@]}" &
 LAUNCHER=$!

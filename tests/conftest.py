@@ -1,8 +1,11 @@
 import os
+import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -14,6 +17,55 @@ from synthetic import write_synthetic  # noqa: E402
 # Tiny everything: 64x32 images, a MobileNet DeepLab, one thread per process.
 TRAIN_ARGS = ["--model", "deeplabv3plus_mobilenet_v3_large", "--crop-size", "32", "-b", "2", "-j", "0",
               "--pretrained-backbone", "none", "-p", "1"]
+
+
+# An interpreter's name: python, python3, python3.12 (and the old python3.7m).
+PYTHON_NAME = re.compile(r"python[0-9.]*m?")
+
+
+def path_without_python(path, links):
+    """PATH with each folder that holds a Python replaced by a folder (in links) of links to everything else in
+    it: bash, nproc, setsid and the rest are found as before; `python` is found nowhere."""
+    folders = []
+    for number, folder in enumerate(path.split(os.pathsep)):
+        try:
+            names = os.listdir(folder)
+        except OSError:  # a folder on PATH that is not there (or "", the current folder, which moves)
+            continue
+        if not any(PYTHON_NAME.fullmatch(name) for name in names):
+            folders.append(folder)
+            continue
+        copy = os.path.join(links, str(number))
+        os.mkdir(copy)
+        for name in names:
+            if not PYTHON_NAME.fullmatch(name):
+                os.symlink(os.path.join(os.path.abspath(folder), name), os.path.join(copy, name))
+        folders.append(copy)
+    return os.pathsep.join(folders)
+
+
+SAVED_ENVIRON = pytest.StashKey[tuple]()  # the folder of links, and PATH and PYTHON as they were
+
+
+def pytest_configure(config):
+    """Every program a test starts runs on the Python that runs pytest: sys.executable in the command, run.sh's
+    steps through PYTHON. With the Python of a virtual environment not activated, `python` on PATH is another one,
+    without torch; here PATH holds none, so that a command that reaches for it fails in every test that runs it.
+    Set before the test modules are imported: their environments (CPU_ENV) are copies of os.environ."""
+    links = tempfile.mkdtemp(prefix="deeplab-tests-path-")
+    config.stash[SAVED_ENVIRON] = links, {name: os.environ.get(name) for name in ("PATH", "PYTHON")}
+    os.environ["PATH"] = path_without_python(os.environ.get("PATH", ""), links)
+    os.environ["PYTHON"] = sys.executable
+
+
+def pytest_unconfigure(config):
+    links, saved = config.stash[SAVED_ENVIRON]
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+    shutil.rmtree(links, ignore_errors=True)
 
 
 def processes_mentioning(text):

@@ -125,7 +125,8 @@ RUNNING = set()  # the commands running now, in both chains: stopped with the ch
 
 def start(command, env=None, **options):
     """A command started in the repository root, and known to stop_on_signal."""
-    process = subprocess.Popen(command, cwd=ROOT, env={**os.environ, **(env or {})}, **options)
+    # PYTHON: run.sh's steps, torchrun and its workers run on this check's Python, not on `python` from PATH.
+    process = subprocess.Popen(command, cwd=ROOT, env={**os.environ, "PYTHON": PY, **(env or {})}, **options)
     RUNNING.add(process)
     return process
 

@@ -1,6 +1,7 @@
 """main.py under each launcher, and run.sh end to end, as a user runs them (subprocesses, gloo, CPU)."""
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -130,6 +131,27 @@ def test_two_nodes_train_together_and_match_one_node(data24, straight, tmp_path)
     assert mine["epoch"] == reference["epoch"] == 2
     assert all(torch.equal(mine["model"][k], reference["model"][k]) for k in reference["model"])
     assert [r["miou"] for r in _metrics(out)] == [r["miou"] for r in _metrics(straight)]
+
+
+def test_run_sh_starts_the_python_that_PYTHON_names_and_says_when_there_is_none(tiny_data, tmp_path):
+    """The suite's PATH holds no Python and PYTHON names the one running pytest (conftest): run.sh counts the GPUs
+    and runs main.py's check with it, as its tests train with it; main.py's own line about a flag proves the check
+    ran, torch imported. Without PYTHON, its default `python` is found nowhere: one line says so, before any step."""
+    assert shutil.which("python") is None and shutil.which("python3") is None, os.environ["PATH"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DATA": tiny_data, "OUTPUT_DIR": str(tmp_path / "out")}
+    env.pop("CUDA_VISIBLE_DEVICES", None)  # not hidden: run.sh counts the GPUs, with Python too
+    result = subprocess.run(["./run.sh", "--epochs", "0"], cwd=ROOT, env=env, capture_output=True, text=True,
+                            timeout=120)
+    output = result.stdout + result.stderr
+    assert result.returncode == 1 and output.strip() == "main.py: error: --epochs: 0 must be at least 1", output
+    assert not os.path.exists(tmp_path / "out")
+    del env["PYTHON"]
+    result = subprocess.run(["./run.sh", "--epochs", "0"], cwd=ROOT, env=env, capture_output=True, text=True,
+                            timeout=60)
+    output = result.stdout + result.stderr
+    assert result.returncode == 1 and output.strip() == (
+        "run.sh: error: PYTHON=python: no such program: set PYTHON to the Python that has PyTorch "
+        "(PYTHON=/path/to/python ./run.sh)"), output
 
 
 @pytest.mark.parametrize("gpus, per_gpu, accum_steps", [(1, 8, 2), (2, 8, 1), (4, 4, 1), (8, 2, 1)])
