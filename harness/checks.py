@@ -68,10 +68,11 @@ def check_numbers(args, ranges):
 
 
 def autocast(args, use_cuda):
-    """--amp: -> a function that opens its autocast context (one that does nothing without --amp). float16 needs
-    CUDA; bfloat16 runs on the CPU too."""
+    """--amp: -> a function that opens its autocast context (one that does nothing without --amp). fp16 only with
+    CUDA is this program's choice, not torch's limit (torch's CPU autocast takes float16, and GradScaler("cpu")
+    works): on the CPU, bfloat16 is autocast's own default, and it needs no GradScaler."""
     if args.amp == "fp16" and not use_cuda:
-        fail("--amp fp16 needs CUDA; on the CPU use --amp bf16 or no --amp")
+        fail("--amp fp16 runs on CUDA only in this program; on the CPU use --amp bf16 or no --amp")
     if args.amp is None:
         return contextlib.nullcontext
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.amp]
@@ -91,13 +92,13 @@ def check_args(args, use_cuda):
     if args.seed + args.epochs - 1 > 2**64 - 1:
         fail(f"--seed {args.seed} with --epochs {args.epochs}: the sampler's seed of the last epoch (--seed + epoch) "
              f"would pass 2**64 - 1, the most torch's generators take; give a --seed of at most {2**64 - args.epochs}")
-    autocast(args, use_cuda)  # --amp fp16 needs CUDA
+    autocast(args, use_cuda)  # --amp fp16 only with CUDA (this program's choice)
     local_rank = job.env().local_rank if args.local_rank is None else args.local_rank
     if use_cuda and not args.check_only and local_rank >= torch.cuda.device_count():
         fail(f"local rank {local_rank} but only {torch.cuda.device_count()} GPUs visible: start at most one "
              "process per GPU", this_rank=True)  # only the ranks past the last GPU see it
     if args.sync_bn and not use_cuda:
-        fail("--sync-bn needs CUDA: SyncBatchNorm does not run on the CPU; drop the flag")
+        fail("--sync-bn needs CUDA: DDP refuses SyncBatchNorm on the CPU; drop the flag")
     if args.dist_backend == "nccl" and not use_cuda:
         fail("--dist-backend nccl needs CUDA GPUs; on the CPU use --dist-backend gloo (the default there)")
     if args.evaluate and not args.resume:

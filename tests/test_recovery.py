@@ -331,7 +331,7 @@ def test_bad_input_found_before_training_with_one_clear_line(case, tiny_data, tm
     elif case == "sync-bn on cpu":
         args, expect = args + ["--sync-bn"], "--sync-bn needs CUDA"
     elif case == "fp16 on cpu":
-        args, expect = args + ["--amp", "fp16"], "--amp fp16 needs CUDA"
+        args, expect = args + ["--amp", "fp16"], "--amp fp16 runs on CUDA only in this program"
     elif case == "bad crop":
         args, expect = args + ["--crop-size", "1", "2", "3"], "--crop-size 1 2 3"
     elif case == "evaluate without resume":
@@ -380,7 +380,7 @@ def test_run_sh_stops_a_mistake_before_torchrun_with_one_line(tiny_data, tmp_pat
     output = result.stdout + result.stderr
     assert result.returncode == 1 and "Traceback" not in output and "torch.distributed" not in output, output
     assert [line for line in output.splitlines() if "error:" in line] == [
-        "main.py: error: --amp fp16 needs CUDA; on the CPU use --amp bf16 or no --amp"]
+        "main.py: error: --amp fp16 runs on CUDA only in this program; on the CPU use --amp bf16 or no --amp"]
 
 
 # --- defects found by reading (each of these failed before harness/recovery.py) ----------------------------------
@@ -480,7 +480,8 @@ def test_a_mistake_under_torchrun_is_said_once_and_not_restarted(tiny_data, tmp_
     output = result.stdout + result.stderr
     assert result.returncode != 0
     errors = [line for line in output.splitlines() if "main.py: error:" in line]
-    assert errors == ["main.py: error: --amp fp16 needs CUDA; on the CPU use --amp bf16 or no --amp"], output
+    assert errors == ["main.py: error: --amp fp16 runs on CUDA only in this program; on the CPU use --amp bf16 or no "
+                      "--amp"], output
 
 
 # The layout main.py wrote before the redesign of 2026-11-30, typed out: a requeued job spans such a change.

@@ -19,19 +19,27 @@ from torch.utils.data.distributed import DistributedSampler
 from conftest import ROOT
 
 # --- the launchers: what a process is given -----------------------------------------------------------------------
-RECORDER = """import json, os, sys
-count = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-with open(os.path.join(os.environ["RECORD_TO"], f"attempt{count}.json"), "w") as f:
-    json.dump({"argv": sys.argv[1:], "LOCAL_RANK": os.environ.get("LOCAL_RANK"), "restarts": count,
-               "RANK": os.environ.get("RANK"), "WORLD_SIZE": os.environ.get("WORLD_SIZE")}, f)
+RECORDER = """import json, os, sys, time
+count, local_rank = os.environ.get("TORCHELASTIC_RESTART_COUNT"), os.environ.get("LOCAL_RANK")
+with open(os.path.join(os.environ["RECORD_TO"], f".rank{local_rank}"), "w") as f:
+    json.dump({"argv": sys.argv[1:], "LOCAL_RANK": local_rank, "restarts": count, "RANK": os.environ.get("RANK"),
+               "WORLD_SIZE": os.environ.get("WORLD_SIZE"),
+               "LOCAL_WORLD_SIZE": os.environ.get("LOCAL_WORLD_SIZE")}, f)
+os.replace(f.name, os.path.join(os.environ["RECORD_TO"], f"attempt{count}-rank{local_rank}.json"))  # whole or absent
+# Both ranks record before either ends: the launcher stops the other rank as soon as one fails.
+for _ in range(600):
+    if len([name for name in os.listdir(os.environ["RECORD_TO"]) if name.startswith(f"attempt{count}-")]) == 2:
+        break
+    time.sleep(0.05)
 sys.exit(1 if count == "0" else 0)  # the first attempt fails: does the launcher start it again?
 """
 
 
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory):
-    """One torchrun (a restart allowed) and one torch.distributed.launch, side by side, each starting a script that
-    records its arguments and environment. -> {launcher: [what each attempt recorded]}."""
+    """One torchrun (a restart allowed) and one torch.distributed.launch, side by side, each starting two processes
+    of a script that records its arguments and environment (two, so that a rank's own values differ from the
+    other's). -> {launcher: [what each attempt's rank 0 and rank 1 recorded, in that order]}."""
     folder = tmp_path_factory.mktemp("launched")
     script = folder / "record.py"
     script.write_text(RECORDER)
@@ -39,7 +47,7 @@ def launched(tmp_path_factory):
     for name, module in (("torchrun", "torch.distributed.run"), ("launch", "torch.distributed.launch")):
         out = folder / name
         out.mkdir()
-        runs[name] = subprocess.Popen([sys.executable, "-m", module, "--standalone", "--nproc_per_node=1",
+        runs[name] = subprocess.Popen([sys.executable, "-m", module, "--standalone", "--nproc_per_node=2",
                                        "--max-restarts=1", str(script), "--mine"], cwd=ROOT, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True, env={**os.environ, "OMP_NUM_THREADS": "1",
                                                                      "RECORD_TO": str(out)})
@@ -49,22 +57,33 @@ def launched(tmp_path_factory):
 
 
 def test_torchrun_sets_local_rank_in_the_environment_and_passes_no_argument(launched):
-    first = launched["torchrun"][0]
-    assert first["LOCAL_RANK"] == "0" and first["argv"] == ["--mine"]  # the script's own arguments, no more
+    ranks = launched["torchrun"][:2]
+    assert [rank["LOCAL_RANK"] for rank in ranks] == ["0", "1"]
+    assert all(rank["argv"] == ["--mine"] for rank in ranks)  # the script's own arguments, no more
 
 
 def test_the_launchers_set_rank_and_world_size(launched):
-    assert all((first[0]["RANK"], first[0]["WORLD_SIZE"]) == ("0", "1")
-               for first in (launched["torchrun"], launched["launch"]))
+    assert all([(rank["RANK"], rank["WORLD_SIZE"]) for rank in records[:2]] == [("0", "2"), ("1", "2")]
+               for records in (launched["torchrun"], launched["launch"]))
+
+
+def test_the_launchers_set_local_world_size_to_the_processes_they_start_on_their_machine(launched):
+    # dataset.default_workers divides the cores by it. (Per machine rather than in all: the agent sets it from
+    # its own --nproc_per_node, local_elastic_agent.py; one machine here cannot tell the two apart.)
+    assert all(rank["LOCAL_WORLD_SIZE"] == "2" for records in (launched["torchrun"], launched["launch"])
+               for rank in records)
 
 
 def test_torchrun_restarts_every_worker_after_a_failure_and_counts_the_restarts(launched):
-    assert [attempt["restarts"] for attempt in launched["torchrun"]] == ["0", "1"]  # any exit status but 0
+    # Both ranks fail in the first attempt (any exit status but 0), and both are started again.
+    assert [(rank["restarts"], rank["LOCAL_RANK"]) for rank in launched["torchrun"]] == [
+        ("0", "0"), ("0", "1"), ("1", "0"), ("1", "1")]
 
 
 def test_torch_distributed_launch_passes_local_rank_with_a_dash(launched):
-    first = launched["launch"][0]
-    assert first["argv"] == ["--local-rank=0", "--mine"] and first["LOCAL_RANK"] == "0"
+    ranks = launched["launch"][:2]
+    assert [rank["argv"] for rank in ranks] == [["--local-rank=0", "--mine"], ["--local-rank=1", "--mine"]]
+    assert [rank["LOCAL_RANK"] for rank in ranks] == ["0", "1"]
     assert "FutureWarning" in launched["said"]["launch"] and "deprecated" in launched["said"]["launch"]
 
 
@@ -114,6 +133,19 @@ class _TwoBatchNorms(torch.nn.Module):
         return self.head(self.norm(self.conv(x)).mean((2, 3)))
 
 
+class _FourLayers(torch.nn.Module):
+    """Four layers of 1 MiB of weights: with 1 MiB buckets DDP gives each layer a bucket of its own. Written here,
+    not as a torch.nn.Sequential: under DDP, torch.nn's own containers gave TorchDynamo no frame to compile."""
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(512, 512) for _ in range(4))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x).relu()
+        return x
+
+
 def _ddp_claims(rank, world_size, tmp):
     """Each claim's observation on this rank, recorded for rank 0's file."""
     torch.set_num_threads(1)
@@ -138,10 +170,13 @@ def _ddp_claims(rank, world_size, tmp):
 
     x = torch.randn(4, 2, 3, 3)
     model.train()
-    seen["buffers_broadcast_in_training"] = broadcasts(lambda: ddp(x).sum().backward())
+    # The first forward after wrapping broadcasts whatever came before it; the ones after it show the rule.
+    seen["first_forward_after_wrapping_broadcasts"] = broadcasts(lambda: ddp(x).sum().backward())
+    seen["later_training_forwards_broadcast"] = [broadcasts(lambda: ddp(x).sum().backward()) for _ in range(2)]
     with torch.no_grad():
         seen["first_no_grad_forward_broadcasts"] = broadcasts(lambda: ddp(x))
         seen["second_no_grad_forward_broadcasts"] = broadcasts(lambda: ddp(x))
+    seen["training_forward_after_a_no_grad_one_broadcasts"] = broadcasts(lambda: ddp(x).sum().backward())
     ddp(x).sum().backward()  # a training forward again; then one in eval mode, gradients enabled
     model.eval()
     seen["eval_forward_after_training_broadcasts"] = broadcasts(lambda: ddp(x))
@@ -233,6 +268,29 @@ def _ddp_claims(rank, world_size, tmp):
         storages = {p.grad.untyped_storage().data_ptr() for p in bucketed.parameters()}
         seen[f"copies_set_to_none_{set_to_none}"] = copies
         seen[f"gradients_share_one_bucket_{set_to_none}"] = len(storages) == 1
+
+    # torch.compile of a DDP model: how many graphs the backend is given, by default (TorchDynamo's DDPOptimizer on)
+    # and with the DDPOptimizer off; and the compiled model's gradients against the eager one's. The backend counts
+    # the graphs and runs each as it is: no code is generated, so this costs seconds, not the half minute of a
+    # first Inductor compile, and the graphs it is given are the ones Inductor would be given.
+    from torch import _dynamo as dynamo
+    inputs = torch.randn(2, 512) + rank  # each rank its own: the eager DDP's gradient is their average
+    gradients = {}
+    for name in ("default", "without_ddp_optimizer", "eager"):
+        dynamo.reset()
+        torch.manual_seed(0)
+        layered = DDP(_FourLayers(), bucket_cap_mb=1)
+        graphs = []
+
+        def counting(graph, example_inputs):
+            graphs.append(graph)
+            return graph.forward
+        with dynamo.config.patch(optimize_ddp=name != "without_ddp_optimizer"):
+            (layered if name == "eager" else torch.compile(layered, backend=counting))(inputs).sum().backward()
+        seen[f"compiled_graphs_{name}"] = len(graphs)
+        gradients[name] = [p.grad.clone() for p in layered.parameters()]
+    seen["compiled_gradients_equal_eager"] = all(
+        torch.allclose(a, b, rtol=0, atol=1e-6) for a, b in zip(gradients["default"], gradients["eager"]))
     if rank == 1:
         with open(f"{tmp}/claims.json", "w") as f:
             json.dump(seen, f)
@@ -251,12 +309,16 @@ def test_ddp_broadcasts_rank_0s_weights_when_it_wraps_a_model(ddp_seen):
     assert ddp_seen["weights_equal_after_wrap"]
 
 
-def test_ddp_broadcasts_rank_0s_buffers_at_each_training_forward(ddp_seen):
-    assert ddp_seen["buffers_broadcast_in_training"]
+def test_ddp_broadcasts_rank_0s_buffers_at_every_forward_that_follows_a_gradient_enabled_one(ddp_seen):
+    # Rank 1's running mean set to 1 and rank 0's to 0 before each forward: rank 0's is on rank 1 after it.
+    assert ddp_seen["first_forward_after_wrapping_broadcasts"]
+    assert ddp_seen["later_training_forwards_broadcast"] == [True, True]  # the second and third training steps
 
 
 def test_without_gradients_ddp_broadcasts_buffers_at_the_first_forward_only(ddp_seen):
     assert ddp_seen["first_no_grad_forward_broadcasts"] and not ddp_seen["second_no_grad_forward_broadcasts"]
+    # The rule is the forward before: a training forward that follows a no_grad one does not broadcast either.
+    assert not ddp_seen["training_forward_after_a_no_grad_one_broadcasts"]
 
 
 def test_ddp_broadcasts_buffers_at_any_forward_after_a_training_one_in_eval_mode_too(ddp_seen):
@@ -265,32 +327,41 @@ def test_ddp_broadcasts_buffers_at_any_forward_after_a_training_one_in_eval_mode
 
 def test_sync_batchnorm_gathers_its_statistics_in_every_training_forward_no_sync_or_not(ddp_seen):
     # With --accum-steps N, each micro-batch's forward communicates, and normalises over -b x processes images.
-    assert ddp_seen["sync_batchnorm_gathers_under_no_sync"].startswith("SyncBatchNorm expected input tensor to be on GPU")
+    refusal = ddp_seen["sync_batchnorm_gathers_under_no_sync"]
+    assert refusal.startswith("SyncBatchNorm expected input tensor to be on GPU")
 
 
 def test_accumulation_gives_the_whole_batchs_gradient_except_through_batchnorm():
-    """Two batches of 2 accumulated (each loss halved) against one batch of 4: the same gradient when BatchNorm uses
-    its running statistics (eval mode), another in training mode, where each forward normalises over its own 2."""
+    """Two batches of 2 accumulated (each loss halved) against one batch of 4, the model in training mode with its
+    Dropout off (p=0: ASPP's Dropout(0.5) alone draws other masks for 4 images than for 2 and 2, and makes the
+    gradients differ by about 0.09): the same gradient with every BatchNorm on its running statistics (eval), another
+    with every BatchNorm in training, normalising each forward over its own images. Only BatchNorm's mode differs."""
     from models import build_model
     torch.manual_seed(0)
-    model = build_model("deeplabv3plus_mobilenet_v3_large", 5)
+    model = build_model("deeplabv3plus_mobilenet_v3_large", 5).train()
+    dropouts = [m for m in model.modules() if isinstance(m, torch.nn.Dropout)]
+    norms = [m for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
+    assert dropouts and norms
+    for dropout in dropouts:
+        dropout.p = 0.0
     images, labels = torch.randn(4, 3, 32, 32), torch.randint(0, 5, (4, 32, 32))
 
-    def gradient(train, accumulate):
-        model.train(train)
+    def gradient(accumulate):
         model.zero_grad()
         for part in ((slice(0, 2), slice(2, 4)) if accumulate else (slice(0, 4),)):
             (F.cross_entropy(model(images[part]), labels[part]) / (2 if accumulate else 1)).backward()
         return torch.cat([p.grad.flatten() for p in model.parameters()])
 
-    def difference(train):
+    def difference(batchnorm_training):
+        for norm in norms:
+            norm.train(batchnorm_training)
         state = {k: v.clone() for k, v in model.state_dict().items()}  # training mode moves the running statistics
-        whole = gradient(train, False)
+        whole = gradient(accumulate=False)
         model.load_state_dict(state)
-        parts = gradient(train, True)
+        parts = gradient(accumulate=True)
         model.load_state_dict(state)
         return ((whole - parts).norm() / whole.norm()).item()
-    assert difference(train=False) < 1e-5 and difference(train=True) > 1e-2
+    assert difference(batchnorm_training=False) < 1e-5 and difference(batchnorm_training=True) > 1e-2
 
 
 def test_after_a_forward_under_no_sync_the_next_forward_broadcasts_no_buffers(ddp_seen):
@@ -386,6 +457,35 @@ def test_softmax_rounding_can_make_two_different_logits_equal_probabilities():
     assert logits.argmax() == 1 and logits.softmax(0)[0] == logits.softmax(0)[1] and logits.softmax(0).argmax() == 0
 
 
+def test_float16_autocast_and_a_grad_scaler_work_on_the_cpu_where_bfloat16_is_autocasts_default():
+    """--amp fp16 only with CUDA is main.py's choice, not torch's limit: the CPU's autocast computes in float16 when
+    asked, and a GradScaler for the CPU does its work (its first scale, 65536, overflows float16: that step is
+    skipped and the scale halved; the next one is taken). Without a dtype the CPU's autocast takes bfloat16."""
+    assert torch.get_autocast_dtype("cpu") == torch.bfloat16 and torch.get_autocast_dtype("cuda") == torch.float16
+    weight = torch.ones(2, requires_grad=True)
+    optimizer = torch.optim.SGD([weight], lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    for expected in ([1.0, 1.0], [0.9, 0.9]):
+        optimizer.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            output = F.linear(torch.ones(1, 2), weight[None])
+        assert output.dtype == torch.float16
+        scaler.scale(output.sum()).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        assert torch.allclose(weight.detach(), torch.tensor(expected))
+    assert scaler.get_scale() == 32768.0
+
+
+def test_a_disabled_grad_scaler_saves_an_empty_state_which_an_enabled_one_refuses():
+    # main.py saves scaler.state_dict() in every checkpoint and loads it only when it is not empty.
+    assert torch.amp.GradScaler("cpu", enabled=False).state_dict() == {}
+    enabled = torch.amp.GradScaler("cpu")
+    assert {"scale", "_growth_tracker"} <= set(enabled.state_dict())
+    with pytest.raises(RuntimeError, match="empty"):
+        enabled.load_state_dict({})
+
+
 def test_out_of_memory_is_a_runtime_error_of_its_own_type():
     assert issubclass(torch.OutOfMemoryError, RuntimeError) and torch.OutOfMemoryError is torch.cuda.OutOfMemoryError
 
@@ -417,6 +517,26 @@ def test_torch_load_weights_only_reads_plain_data_and_refuses_objects(tmp_path):
         torch.load(tmp_path / "namespace.pth", weights_only=True)
 
 
+def test_torch_load_puts_each_tensor_back_on_the_device_it_was_saved_from_unless_given_map_location(
+        tmp_path, monkeypatch):
+    """A checkpoint records each tensor's device as torch.save found it: here "cuda:0", rank 0's GPU (torch.save told
+    so for a CPU tensor). torch.load without map_location restores it there (without CUDA it fails and says so);
+    with map_location="cpu", as main.py loads, on the CPU."""
+    path = tmp_path / "c.pth"
+    monkeypatch.setattr(torch.serialization, "location_tag", lambda storage: "cuda:0")
+    torch.save({"w": torch.arange(3.0)}, path)
+    monkeypatch.undo()
+    recorded = []
+    torch.load(path, weights_only=True, map_location=lambda storage, location: recorded.append(location) or storage)
+    assert recorded == ["cuda:0"]
+    assert torch.load(path, map_location="cpu", weights_only=True)["w"].device == torch.device("cpu")
+    if torch.cuda.is_available():
+        assert torch.load(path, weights_only=True)["w"].device == torch.device("cuda", 0)
+    else:
+        with pytest.raises(RuntimeError, match="deserialize object on a CUDA device"):
+            torch.load(path, weights_only=True)
+
+
 def test_torch_load_does_not_notice_bytes_changed_inside_a_tensor(tmp_path):
     path = tmp_path / "c.pth"
     torch.save({"w": torch.zeros(100_000)}, path)
@@ -428,22 +548,27 @@ def test_torch_load_does_not_notice_bytes_changed_inside_a_tensor(tmp_path):
 
 
 def test_torch_save_writes_a_crc_32_for_each_record_and_one_attribute_bit_escapes_it(tmp_path):
+    """The record's "folder" bit (external attributes, in the central directory): no CRC-32 covers it, zipfile's
+    testzip passes, and torch's reader reads none of the record's bytes, without an error: the tensor holds what its
+    new memory held. 40 MB, above the 32 MiB up to which glibc's malloc may hand back freed memory (which can hold
+    these very values: with a 4 kB tensor this test failed now and then), so that its memory comes zeroed from the
+    system and every element reads 0, where each of the record's is at least 1."""
     import zipfile
     path = tmp_path / "c.pth"
-    torch.save({"w": torch.arange(1000.0)}, path)
+    torch.save({"w": torch.arange(1.0, 10_000_001.0)}, path)
     with zipfile.ZipFile(path) as archive:
         assert all(info.CRC for info in archive.infolist()) and archive.testzip() is None
-        record = next(info for info in archive.infolist() if info.filename.endswith("data/0"))
-    # The record's "folder" bit (external attributes, in the central directory): no CRC-32 covers it, zipfile's
-    # testzip passes, and torch's reader reads other bytes for the tensor without an error.
+        name = next(info for info in archive.infolist() if info.filename.endswith("data/0")).filename.encode()
     data = bytearray(path.read_bytes())
-    entry = next(at for at in range(len(data)) if data[at:at + 4] == b"PK\x01\x02"
-                 and data[at + 46:at + 46 + len(record.filename)] == record.filename.encode())
+    entry = data.find(b"PK\x01\x02")
+    while data[entry + 46:entry + 46 + len(name)] != name:
+        entry = data.find(b"PK\x01\x02", entry + 4)
     data[entry + 38] |= 0x10
     path.write_bytes(bytes(data))
+    del data
     with zipfile.ZipFile(path) as archive:
         assert archive.testzip() is None
-    assert not torch.equal(torch.load(path, weights_only=True)["w"], torch.arange(1000.0))
+    assert not torch.load(path, weights_only=True)["w"].any()
 
 
 def test_a_dataloader_worker_ends_quietly_on_its_parents_sigterm_and_dies_of_anyone_elses():
@@ -477,9 +602,27 @@ def test_a_dataloader_worker_ends_quietly_on_its_parents_sigterm_and_dies_of_any
         del batches
 
 
-def test_torch_compile_splits_a_ddp_models_graph_at_its_buckets_by_default():
-    import torch._dynamo
-    assert torch._dynamo.config.optimize_ddp  # DDPOptimizer: the all-reduce still overlaps the backward
+def test_torch_compile_splits_a_ddp_models_graph_at_its_buckets_by_default(ddp_seen):
+    """Four layers in four DDP buckets make four graphs by default, one without the DDPOptimizer: the split is the
+    DDPOptimizer's, at the buckets, not a graph break. Each graph is then a backward of its own, and a bucket's
+    all-reduce starts when its graph's backward ends, before the graphs earlier in the model have run theirs; in one
+    graph every gradient would be ready only at its end (the DDPOptimizer's note in torch/_dynamo/backends/
+    distributed.py; seen with the aot_eager backend, whose imports cost seconds more than this test). And the
+    compiled DDP model's gradients are the eager DDP's, averaged over the ranks."""
+    assert ddp_seen["compiled_graphs_default"] == 4 and ddp_seen["compiled_graphs_without_ddp_optimizer"] == 1
+    assert ddp_seen["compiled_graphs_eager"] == 0 and ddp_seen["compiled_gradients_equal_eager"]
+
+
+def test_torchs_nccl_library_carries_its_warning_for_a_missing_destroy_process_group():
+    """NCCL needs GPUs, so its warning at exit cannot be seen here: this reads it from torch's CUDA library, where
+    ProcessGroupNCCL prints it when a process ends without destroy_process_group(). Skipped for a torch built
+    without CUDA."""
+    import mmap
+    library = os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cuda.so")
+    if not os.path.exists(library):
+        pytest.skip("this torch has no CUDA library")
+    with open(library, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+        assert data.find(b"destroy_process_group() was not called before program exit, which can leak resources") >= 0
 
 
 # --- torchvision ------------------------------------------------------------------------------------------------
