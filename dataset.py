@@ -16,6 +16,7 @@ Fill the cache before training (optional: the first epoch fills it too), from th
 
 No real data at hand? synthetic.py writes a set in either layout.
 """
+import errno
 import glob
 import json
 import os
@@ -23,7 +24,7 @@ import os
 import numpy as np
 import torch
 import torchvision
-from PIL import Image
+from PIL import Image, PngImagePlugin
 from torchvision import tv_tensors
 from torchvision.transforms.v2 import functional as F
 
@@ -142,11 +143,33 @@ def normalize(images):
     return F.normalize(F.to_dtype(images, torch.float32, scale=True), MEAN, STD)
 
 
+def _cannot_list(folder, error):
+    """The line for a folder of the data set that cannot be listed: which, why, and what to do, from its errno."""
+    if error.errno in (errno.EACCES, errno.EPERM):
+        advice = (f"give the user that runs training permission to read it and the folders in it (ls -ld {folder}: "
+                  "its owner and mode)")
+    elif error.errno == errno.ENOENT:
+        advice = "it went away while it was listed: is the data set being moved or changed? Run again once it is whole"
+    elif error.errno == errno.EIO:
+        advice = "the disk or network filesystem failed (dmesg says more): see to it, then run again"
+    else:
+        advice = "see to its cause, then run again"
+    return f"{folder} cannot be listed ({error.strerror or error}): {advice}"
+
+
+def _listing(folder):
+    """os.listdir(folder), or a BadInput that names the folder and what to do."""
+    try:
+        return os.listdir(folder)
+    except OSError as error:
+        raise BadInput(_cannot_list(folder, error)) from None
+
+
 def _folder_entries(folder, folders=True):
     """The sub-folders (or the files) of folder, sorted; other entries ignored. A link that leads nowhere
     or to itself (a loop) is named: it is a mistake in the data folder, not something to skip quietly."""
     entries = []
-    for name in sorted(os.listdir(folder)):
+    for name in sorted(_listing(folder)):
         path = os.path.join(folder, name)
         if os.path.islink(path) and not os.path.exists(path):
             raise BadInput(f"{path} is a symbolic link that leads nowhere or loops back to itself; fix or remove it")
@@ -295,12 +318,14 @@ class Cityscapes(SegmentationFiles):
                                                      os.path.basename(label))))
         if not pairs:
             raise BadInput(f"{os.path.join(root, 'leftImg8bit', split)} holds no *_leftImg8bit.png images. {get}")
-        missing = [t for _, t in pairs if not os.path.isfile(t)]
+        # Listed, not globbed: glob skips a city folder it cannot list without a word, and its labels look missing.
+        labels = {name for city in _folder_entries(os.path.join(root, "gtFine", split))
+                  for name in _folder_entries(city, folders=False) if name.endswith("_gtFine_labelIds.png")}
+        missing = [t for _, t in pairs if t not in labels]
         if missing:
             raise BadInput(f"{len(missing)} {split} image(s) have no label file, e.g. {missing[0]} is missing; "
                            "add the gtFine labels or remove those images")
-        labels = glob.glob(os.path.join(root, "gtFine", split, "*", "*_gtFine_labelIds.png"))
-        orphans = sorted(set(labels) - {t for _, t in pairs})
+        orphans = sorted(labels - {t for _, t in pairs})
         if orphans:
             raise BadInput(f"{len(orphans)} {split} label(s) have no image, e.g. {orphans[0]}; "
                            "add the leftImg8bit images or remove those labels")
@@ -313,11 +338,15 @@ class Cityscapes(SegmentationFiles):
         """'{city}_{seq}_{frame}', the key the official evaluation matches predictions by."""
         return os.path.basename(self.images[index]).replace("_leftImg8bit.png", "")
 
+    def prediction_path(self, index, folder):
+        """Where save_prediction writes the image's prediction."""
+        return os.path.join(folder, f"{self.image_id(index)}_pred_labelIds.png")
+
     def save_prediction(self, index, prediction, folder):
         """(H, W) trainIds -> a labelIds PNG named after the image: what the official evaluation reads."""
         os.makedirs(folder, exist_ok=True)  # each rank writes its own images' files, on its own node too
-        Image.fromarray(TRAINID_TO_ID[prediction].numpy()).save(
-            os.path.join(folder, f"{self.image_id(index)}_pred_labelIds.png"))
+        Image.fromarray(TRAINID_TO_ID[prediction].numpy()).save(self.prediction_path(index, folder),
+                                                                 pnginfo=prediction_tag())
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -347,7 +376,8 @@ def _no_key_twice(pairs):
     keys = [key for key, _ in pairs]
     twice = sorted({key for key in keys if keys.count(key) > 1})
     if twice:
-        raise BadInput(f"{', '.join(map(repr, twice))} given more than once (JSON readers keep only the last): keep one")
+        raise BadInput(f"{', '.join(map(repr, twice))} given more than once (JSON readers keep only the last): keep "
+                       "one")
     return dict(pairs)
 
 
@@ -400,8 +430,11 @@ OTHER_IMAGE_FORMATS = (".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm", ".pgm",
 def _files_below(folder, extensions, what):
     """Paths below folder (sub-folders included, linked ones too) of files with those extensions, relative to
     it, sorted. An image in another format is named: training does not read it (what: "images" or "masks")."""
+    def unlisted(error):  # os.walk would skip a folder it cannot list, and its images with it, without a word
+        raise BadInput(_cannot_list(error.filename, error))
+
     found, seen = [], set()
-    for parent, subfolders, names in os.walk(folder, followlinks=True):
+    for parent, subfolders, names in os.walk(folder, onerror=unlisted, followlinks=True):
         if os.path.realpath(parent) in seen:
             raise BadInput(f"{parent} leads back to a folder already listed (a symbolic link loop); fix or remove it")
         seen.add(os.path.realpath(parent))
@@ -489,13 +522,37 @@ class FolderDataset(SegmentationFiles):
         """The image's path below images/SPLIT/, without its extension."""
         return os.path.splitext(os.path.relpath(self.images[index], self.image_root))[0]
 
+    def prediction_path(self, index, folder):
+        """Where save_prediction writes the image's prediction: its path below images/SPLIT/, as a PNG."""
+        return os.path.join(folder, self.image_id(index) + ".png")
+
     def save_prediction(self, index, prediction, folder):
         """(H, W) class indices -> a mask as the data set's own: a palette PNG, the classes in their colours."""
-        path = os.path.join(folder, self.image_id(index) + ".png")
+        path = self.prediction_path(index, folder)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         mask = Image.fromarray(prediction.to(torch.uint8).numpy())
         mask.putpalette(palette_of(self.classes["colors"]))
-        mask.save(path)
+        mask.save(path, pnginfo=prediction_tag())
+
+
+PREDICTION_SOFTWARE = "save_prediction of DeepLab's dataset.py"  # in each prediction: a PNG's Software text
+
+
+def prediction_tag():
+    """What a prediction PNG says of itself, so that a later run tells its own files from others (a data set's
+    masks) before it writes over any."""
+    tag = PngImagePlugin.PngInfo()
+    tag.add_text("Software", PREDICTION_SOFTWARE)
+    return tag
+
+
+def is_prediction(path):
+    """Whether the file at path is a PNG that save_prediction wrote (its header read, not its pixels)."""
+    try:
+        with Image.open(path) as image:
+            return image.format == "PNG" and image.info.get("Software") == PREDICTION_SOFTWARE
+    except (OSError, ValueError):
+        return False
 
 
 def palette_of(colors):
@@ -511,6 +568,8 @@ def open_dataset(root, split="train", **options):
     if os.path.isfile(root):
         raise BadInput(f"{root} is a file, not a data set's folder" + (": unzip it into a folder and give that"
                        if root.lower().endswith((".zip", ".tar", ".gz")) else ""))
+    if os.path.isdir(root) and not os.access(root, os.R_OK | os.X_OK):  # else every folder in it looks missing
+        raise BadInput(_cannot_list(root, PermissionError(errno.EACCES, os.strerror(errno.EACCES))))
     archives = glob.glob(os.path.join(root, "*.zip"))
     if archives and not any(os.path.isdir(os.path.join(root, sub)) for sub in ("leftImg8bit", "images")):
         raise BadInput(f"{root} holds {os.path.basename(archives[0])} but no leftImg8bit/ or images/ folder: unzip "

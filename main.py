@@ -95,8 +95,7 @@ def get_args_parser():
     parser.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
     parser.add_argument("--output-dir", default="output", help="(default: %(default)s)")
     parser.add_argument("--amp", nargs="?", const="bf16", choices=("bf16", "fp16"), help="mixed precision: bf16 (the "
-                        "default when given alone) or fp16 (with a GradScaler; this program allows it with CUDA "
-                        "only: on the CPU, bf16 is torch's own default for autocast)")
+                        "default when given alone) or fp16 (with a GradScaler; CUDA only, by this program's choice)")
     parser.add_argument("--save-predictions", metavar="DIR",
                         help="write each val prediction as a PNG (Cityscapes: labelIds, the official evaluation's)")
     parser.add_argument("--dist-backend", choices=("nccl", "gloo"), help="(default: nccl with CUDA, gloo on the CPU)")
@@ -112,8 +111,8 @@ def get_args_parser():
                         help="only for models with parameters that get no gradient; costs a graph walk a step")
     preflight.add_arguments(parser)  # harness: --weights, --overwrite, --tensorboard, --check-only, --eval-*
     # Step 1: the local rank, the GPU this process drives. The tutorial reads --local_rank; since PyTorch 2.0
-    # torch.distributed.launch passes --local-rank, and torchrun passes no argument at all, only the
-    # environment variable LOCAL_RANK. Accept both spellings; without either, main() reads the environment.
+    # torch.distributed.launch passes --local-rank, and torchrun passes no argument at all, only environment
+    # variables (LOCAL_RANK among them). Accept both spellings; without either, main() reads the environment.
     parser.add_argument("--local-rank", "--local_rank", type=int, dest="local_rank",
                         help="(default: $LOCAL_RANK, else 0)")
     return parser
@@ -229,14 +228,12 @@ def train_one_epoch(model, optimizer, scaler, loader, device, epoch, first_step,
             # uint8 from the workers (a quarter of float32's bytes to move), made float and normalised here.
             images = normalize(images.to(device, non_blocking=True, memory_format=memory_format))
             labels = labels.to(device, non_blocking=True).long()
-            # Gradient accumulation (--accum-steps N): N batches make one optimizer step. DDP all-reduces the
-            # gradients in every backward; inside model.no_sync() it only adds them up on this rank, so DDP's
-            # gradient all-reduce runs in the last batch's backward alone. SyncBatchNorm's communication is its own,
-            # and no_sync leaves it be: every batch's forward still gathers each layer's statistics from every
-            # process, and its backward all-reduces their gradients' sums. Each loss is divided by N: N batches on
-            # one process give the gradient of one batch on each of N processes, except for BatchNorm, whose
-            # statistics come from each forward's own batch (-b x processes images with SyncBatchNorm), never from
-            # the N batches together.
+            # Gradient accumulation (--accum-steps N): N batches make one optimizer step. DDP all-reduces the gradients
+            # in every backward; inside model.no_sync() it only adds them up on this rank, so DDP's gradient all-reduce
+            # runs in the last batch's backward alone (SyncBatchNorm's all-gather in each forward and all-reduce in each
+            # backward run in every batch, no_sync or not). Each loss is divided by N: N batches on one process give the
+            # gradient of one batch on each of N processes, except for BatchNorm, whose statistics come from each
+            # forward's own batch (-b x processes images with SyncBatchNorm), never from the N batches together.
             last = micro_step == args.accum_steps - 1
             with contextlib.nullcontext() if last else no_sync():
                 with autocast(args, device):
@@ -372,7 +369,7 @@ def build(args):
     train_set = open_dataset(args.data, "train", crop_size=crop_size, seed=args.seed, cache_dir=args.cache_dir,
                              scale_range=args.scale_range, color_jitter=args.color_jitter)
     val_set = open_dataset(args.data, "val", cache_dir=args.cache_dir)  # the same classes: one classes.json
-    checkpoint = checkpoints.checked(checkpoint, args, train_set.classes)  # harness: this model's, whole, fitting
+    checkpoint = checkpoints.checked(checkpoint, args, train_set)  # harness: this model's, whole, fitting this data
     torch.manual_seed(args.seed)  # the same initial weights on every rank, and in every run of this seed
     # A checkpoint holds every weight: only a fresh start fetches the pretrained backbone.
     model = build_model(args.model, train_set.num_classes, args.output_stride,
@@ -461,8 +458,8 @@ def wrap_model(model, args, device, distributed):
     model_without_ddp = model
     if distributed:
         # device_ids: the one GPU of this process; on the CPU it must be None. The tutorial sets
-        # find_unused_parameters=True, which makes DDP walk the autograd graph after every forward to
-        # find parameters without gradients; DeepLab has none, so it is off unless asked for.
+        # find_unused_parameters=True, which makes DDP walk the autograd graph after every gradient-enabled
+        # forward (outside no_sync) to find parameters without gradients; DeepLab has none, so it is off.
         # gradient_as_bucket_view: the gradients are views of DDP's all-reduce buckets, not a second copy
         # (zeroed in place in train_one_epoch, so that they stay views).
         model = DDP(model, device_ids=[device.index] if use_cuda else None,
@@ -470,9 +467,8 @@ def wrap_model(model, args, device, distributed):
                     find_unused_parameters=args.find_unused_parameters, gradient_as_bucket_view=True)
         model_without_ddp = model.module
     if args.compile:
-        # The DDP model, as PyTorch's DDP notes say: TorchDynamo's DDPOptimizer then compiles it as one graph per DDP
-        # bucket, so that a bucket's all-reduce starts when its graph's backward ends, while the graphs earlier in
-        # the model still run theirs (in one graph, every gradient would be ready at once, at its end).
+        # The DDP model, as PyTorch's DDP notes say: TorchDynamo's DDPOptimizer then compiles one graph per DDP bucket,
+        # so a bucket's all-reduce starts when its graph's backward ends, not after the whole backward.
         model = torch.compile(model)
     return model, model_without_ddp
 

@@ -2,7 +2,7 @@
 said in one line instead of trusted, --weights, the checkpoint kept before the last, and a rewind's files.
 
     start = checkpoints.decide_start(args)        # --resume PATH|auto, a torchrun restart: Start(path, auto)
-    checkpoint = checkpoints.checked(checkpoint, args, classes)   # what main.py loaded, made what it reads
+    checkpoint = checkpoints.checked(checkpoint, args, train_set)   # what main.py loaded, made what it reads
     checkpoints.load_weights(model, args, classes)   # --weights: fine-tuning from a trained model
     @checkpoints.keeping_previous                    # around main.py's save: *.prev.pth kept, a full disk said
     checkpoints.ranks_compare_start(epoch, step)     # a collective: every rank read the same start
@@ -11,7 +11,10 @@ said in one line instead of trusted, --weights, the checkpoint kept before the l
 
 A checkpoint is the dict main.py's checkpoint_state() makes (weights_only: data, not code). Every reader first
 checks the CRC-32 that torch.save writes for each record of its zip file and torch.load does not check (verify()):
-a checkpoint damaged in a bad copy is refused, not trained from (BENCHMARKS.md: what that costs).
+a checkpoint damaged in a bad copy is refused, not trained from (BENCHMARKS.md: what that costs). Then what it
+holds is checked as a whole, before any of it is used (what every reader takes, then what resuming takes): a
+checkpoint of another version is said in one line naming each misfit and the version, not met as a traceback. The
+harness's saves add this version's format number ("format", stamped()).
 """
 import filecmp
 import functools
@@ -25,13 +28,17 @@ import torch
 import torch.distributed as dist
 
 from . import job, paths, stops
-from dataset import CLASS_COLORS, CLASS_NAMES
+from dataset import CLASS_COLORS, CLASS_NAMES, default_colors
 from .errors import UserError, fail, first_line
 from .job import RUN, log, named
 from models import MODEL_NAMES, build_model
 
 TRAINING_STATE = ("optimizer", "scaler", "epoch", "step", "best_miou")  # what resuming training needs
 DEFAULT_MODEL, DEFAULT_OUTPUT_STRIDE = "deeplabv3plus_resnet101", 16  # main.py's, when no checkpoint says
+# The layout of what main.py's checkpoint_state() holds, written into every checkpoint as "format" (stamped()):
+# raised whenever that layout changes, so that a version reading a checkpoint of a newer one says so. A checkpoint
+# without it was written before checkpoints carried it (or by the lesson alone): read as format 1 when it is whole.
+FORMAT = 1
 
 
 @dataclass(frozen=True)
@@ -40,6 +47,12 @@ class Start:
     looked for its own last checkpoint (--resume auto, or a torchrun restart), found or not."""
     path: str = ""
     auto: bool = False
+    model_given: bool = False  # --model was typed (else the model is the checkpoint's, or the default): said in lines
+
+
+def stamped(state):
+    """A checkpoint about to be written, with this version's format number (the harness's saves call it)."""
+    return {**state, "format": FORMAT}
 
 
 # --- reading ------------------------------------------------------------------------------------------------------
@@ -52,7 +65,10 @@ def verify(flag, path):
         fail(f"{flag} {path} is a folder, not a checkpoint: give a checkpoint file"
              + (f", such as {os.path.join(path, found[0])}" if found else ""))
     if not os.path.isfile(path):
-        fail(f"{flag} {path}: no such file")
+        found = paths.kind(path)  # a named pipe, a socket, a device, a link to nothing: named as what it is
+        fail(f"{flag} {path}: no such file" if found is None else
+             f"{flag} {path} is {found}, not a checkpoint: give a checkpoint file")
+    paths.check_readable(flag, path)  # (zipfile.is_zipfile would take a file it may not open for no zip file)
     if not zipfile.is_zipfile(path):
         checksums = False
     else:
@@ -96,7 +112,9 @@ def read(flag, path):
         RUN.unchecked.add(path)
         log(f"note: {path} carries no CRC-32s (torch's legacy format, or saved with "
             "torch.serialization.set_crc32_options(False)): it is read without a check that it is whole")
-    return normalized(checkpoint, flag, path)
+    checkpoint = normalized(checkpoint, flag, path)
+    _check_contents(checkpoint, flag, path)
+    return checkpoint
 
 
 def normalized(checkpoint, flag="--resume", path=""):
@@ -136,11 +154,176 @@ def saved_args(checkpoint):
     return (checkpoint or {}).get("args") or {}
 
 
+def colors_of(classes):
+    """The colours of a checkpoint's classes; one saved without them gets those a classes.json without "colors"
+    gets (Cityscapes' own for Cityscapes' names)."""
+    if classes.get("colors") is not None:
+        return classes["colors"]
+    return CLASS_COLORS if list(classes["names"]) == CLASS_NAMES else default_colors(len(classes["names"]))
+
+
+# --- what a checkpoint holds ------------------------------------------------------------------------------------
+# Checked as a whole when it is read, before any of it is used: a checkpoint of another version (or changed by
+# hand) that passes its CRC-32s would otherwise end in a traceback, some of them after training has begun.
+def _whole(value, low=0):
+    """A whole number of at least low. (A bool is an int to Python, not to a checkpoint.)"""
+    return type(value) is int and value >= low
+
+
+def _real(value):
+    return type(value) in (int, float)
+
+
+def _writer(checkpoint):
+    """Which version wrote a checkpoint, as far as it says."""
+    number = checkpoint.get("format")
+    if number is None:
+        return "it carries no format number: an earlier version of main.py wrote it, or another program"
+    if number == FORMAT:
+        return f"it says format {FORMAT}, this version's: was it changed after it was written?"
+    return f"format {number}, an earlier version's"
+
+
+def _check_contents(checkpoint, flag, path):
+    """What every reader takes from a checkpoint (read() calls it): its format (a newer version's is refused, as what
+    it holds may mean something else), its weights all tensors, the model and output stride it names ones this
+    version builds, its classes a name (and a colour, which may be left out) for each class of its classifier.
+    Else one line naming each misfit and the version that wrote it."""
+    number = checkpoint.get("format")
+    if "format" in checkpoint and not _whole(number, 1):
+        fail(f"{flag} {path} holds the format number {number!r}, which no version of main.py writes: give a "
+             "checkpoint main.py wrote")
+    if "format" in checkpoint and number > FORMAT:
+        fail(f"{flag} {path} was written by a newer version of this program (checkpoint format {number}; this one "
+             f"reads up to {FORMAT}): use that version, or update this one")
+    problems = []
+    odd = [key for key, value in checkpoint["model"].items() if not isinstance(value, torch.Tensor)]
+    if odd:
+        problems.append(f"{len(odd)} of its weights are no tensor ({odd[0]!r}, ...)")
+    saved = checkpoint.get("args")
+    if saved is not None and not isinstance(saved, dict):
+        problems.append(f"its args are a {type(saved).__name__}, not a dict of flags")
+    saved = saved if isinstance(saved, dict) else {}
+    if saved.get("model") is not None and saved["model"] not in MODEL_NAMES:
+        problems.append(f"its model is {saved['model']!r}, which this version does not build (it builds "
+                        f"{', '.join(MODEL_NAMES)})")
+    if saved.get("output_stride") not in (None, 8, 16):
+        problems.append(f"its output stride is {saved['output_stride']!r}, not 8 or 16")
+    if "classes" in checkpoint:
+        problems += _class_misfits(checkpoint["classes"], checkpoint["model"].get("classifier.weight"))
+    if problems:
+        fail(f"{flag} {path} is not a checkpoint this version of main.py reads: {'; '.join(problems)} "
+             f"({_writer(checkpoint)}): use the version that wrote it, or give another checkpoint")
+
+
+def _class_misfits(classes, classifier):
+    names = classes.get("names") if isinstance(classes, dict) else None
+    if not (isinstance(names, list) and names and all(isinstance(name, str) and name for name in names)):
+        return ["its classes are not {'names': [...], 'colors': [...]} with a name for each class"]
+    problems = []
+    if isinstance(classifier, torch.Tensor) and classifier.ndim and classifier.shape[0] != len(names):
+        problems.append(f"it names {len(names)} classes for a classifier of {classifier.shape[0]}")
+    colors = classes.get("colors")
+    if colors is not None and not (isinstance(colors, (list, tuple)) and len(colors) == len(names) and all(
+            isinstance(c, (list, tuple)) and len(c) == 3 and all(type(v) is int and 0 <= v <= 255 for v in c)
+            for c in colors)):
+        problems.append(f"its class colours are not one [r, g, b] of 0-255 for each of its {len(names)} classes")
+    return problems
+
+
+def _training_misfits(checkpoint):
+    """What main.py's train() reads to go on from a checkpoint (TRAINING_STATE, present), and what _continued reads
+    of its global batch, each of the type and range this version writes. -> [what does not fit]."""
+    problems = []
+    for key in ("epoch", "step"):
+        if not _whole(checkpoint[key]):
+            problems.append(f"its {key} is {checkpoint[key]!r}, not a whole number of at least 0")
+    best = checkpoint["best_miou"]
+    if not (_real(best) and (best == -math.inf or 0 <= best <= 1)):
+        problems.append(f"its best_miou is {best!r}, neither an mIoU from 0 to 1 nor -inf (none yet)")
+    if "epoch_loss_sum" in checkpoint:
+        loss = checkpoint["epoch_loss_sum"]
+        if not (_real(loss) and 0 <= loss < math.inf):
+            problems.append(f"its epoch_loss_sum is {loss!r}, not a loss of at least 0")
+    elif checkpoint["step"] != 0:  # at an epoch's start the sum is 0, and _continued says so
+        problems.append(f"it holds no epoch_loss_sum, the loss of the steps of its epoch done (step "
+                        f"{checkpoint['step']!r})")
+    scaler = checkpoint["scaler"]
+    keys = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")  # GradScaler's
+    if not isinstance(scaler, dict) or (scaler and not all(_real(scaler.get(key)) for key in keys)):
+        problems.append("its scaler is not a GradScaler's state (empty without --amp fp16)")
+    problems += _optimizer_misfits(checkpoint["optimizer"])
+    saved = saved_args(checkpoint)
+    for where, key in (("", "world_size"), ("", "batch_size"), ("", "accum_steps"), ("args' ", "batch_size"),
+                       ("args' ", "accum_steps"), ("args' ", "epochs")):
+        value = (saved if where else checkpoint).get(key)
+        if value is not None and not _whole(value, 1):
+            problems.append(f"its {where}{key} is {value!r}, not a whole number of at least 1")
+    return problems
+
+
+def _optimizer_misfits(optimizer):
+    """main.py's make_optimizer's state: SGD, two parameter groups (the backbone's, the head's)."""
+    if not (isinstance(optimizer, dict) and isinstance(optimizer.get("state"), dict)
+            and isinstance(optimizer.get("param_groups"), list) and all(
+                isinstance(group, dict) and isinstance(group.get("params"), list)
+                for group in optimizer["param_groups"])):
+        return ["its optimizer is not an optimizer's state dict"]
+    groups = optimizer["param_groups"]
+    if len(groups) != 2:
+        return [f"its optimizer has {len(groups)} parameter group(s), not 2 (the backbone's and the head's)"]
+    hyper = ("lr", "momentum", "dampening", "weight_decay")  # what SGD's step reads that it sets no default for
+    kinds = {key for entry in optimizer["state"].values() for key in (entry if isinstance(entry, dict) else ["?"])}
+    if any(not _real(group.get(key)) for group in groups for key in hyper) or kinds - {"momentum_buffer"}:
+        held = sorted(kinds - {"momentum_buffer"}) or sorted(set(groups[0]) - {"params"})
+        return [f"its optimizer is not SGD's (it holds {', '.join(held)})"]
+    return []
+
+
+def _optimizer_fits(checkpoint, model_name, num_classes, output_stride):
+    """The optimizer's groups and momentum buffers against the model's parameters, in make_optimizer's order (the
+    backbone's, then the rest), built on the meta device. -> [what does not fit]."""
+    with torch.device("meta"):
+        model = build_model(model_name, num_classes, output_stride)
+    backbone = list(model.backbone.parameters())
+    head = [p for p in model.parameters() if id(p) not in {id(q) for q in backbone}]
+    groups, state = checkpoint["optimizer"]["param_groups"], checkpoint["optimizer"]["state"]
+    counts = [len(group["params"]) for group in groups]
+    if counts != [len(backbone), len(head)]:
+        return [f"its optimizer's groups hold {counts[0]} and {counts[1]} tensors, but {model_name}'s backbone "
+                f"and head have {len(backbone)} and {len(head)}"]
+    shapes = dict(zip(groups[0]["params"] + groups[1]["params"], [p.shape for p in backbone + head]))
+    wrong = [key for key, entry in state.items() if key not in shapes or (
+        isinstance(entry.get("momentum_buffer"), torch.Tensor) and entry["momentum_buffer"].shape != shapes[key])]
+    if wrong:
+        return [f"{len(wrong)} of its optimizer's momentum buffers fit no parameter of {model_name}"]
+    return []
+
+
+def _refuse_training(checkpoint, path, problems):
+    """The line for a checkpoint whose weights may serve but whose training state cannot go on here."""
+    again = "with another OUTPUT_DIR" if named("--output-dir") == "OUTPUT_DIR" else "--output-dir NEW"
+    fail(f"--resume {path} cannot resume training in this version of main.py: {'; '.join(problems)} "
+         f"({_writer(checkpoint)}). Its weights still serve -e --resume {path}, and fine-tuning into a new run: "
+         f"--weights {path} {again}")
+
+
+def _chosen(model_name, checkpoint):
+    """Where the model a line names came from: --model as typed, the checkpoint's own args, or main.py's default."""
+    if getattr(RUN.start, "model_given", False):
+        return f"--model {model_name}"
+    if saved_args(checkpoint).get("model") == model_name:
+        return f"{model_name}, the model it names"
+    return f"{model_name}, the default model (no --model given, and it names none)"
+
+
 def _check_model_name(checkpoint, flag, path, model_name):
     saved = saved_args(checkpoint).get("model")
     if saved and saved != model_name:
-        fail(f"{flag} {path} holds a {saved} model, but --model {model_name} was given: leave --model out (a "
-             f"checkpoint's own is the default) or pass --model {saved}")
+        chosen = _chosen(model_name, checkpoint)
+        given = f"{chosen} was given" if chosen.startswith("--model") else f"this run builds {chosen}"
+        fail(f"{flag} {path} holds a {saved} model, but {given}: leave --model out (a checkpoint's own is the "
+             f"default) or pass --model {saved}")
 
 
 def _misfits(weights, model_name, num_classes, output_stride):
@@ -161,14 +344,15 @@ def fitting_model(weights):
     return next((name for name in MODEL_NAMES if not any(_misfits(weights, name, classifier.shape[0], 16))), None)
 
 
-def check_fits(weights, flag, path, model_name, num_classes, output_stride):
-    """Weights that must fit the model exactly; else one line that says how they differ, and which --model they
-    fit when one does (weights alone do not say)."""
+def check_fits(weights, flag, path, model_name, num_classes, output_stride, checkpoint=None):
+    """Weights that must fit the model exactly; else one line that says how they differ, where the model's name came
+    from (checkpoint: the one that holds the weights), and which --model they fit when one does (weights alone do
+    not say)."""
     wrong, missing, unexpected = _misfits(weights, model_name, num_classes, output_stride)
     if wrong or missing or unexpected:
         other = fitting_model(weights) if missing or unexpected else None
-        fail(f"{flag} {path} does not fit {model_name}: {len(wrong)} tensors of another shape (e.g. {wrong[:1]}), "
-             f"{len(missing)} missing, {len(unexpected)} unexpected"
+        fail(f"{flag} {path} does not fit {_chosen(model_name, checkpoint)}: {len(wrong)} tensors of another shape "
+             f"(e.g. {wrong[:1]}), {len(missing)} missing, {len(unexpected)} unexpected"
              + (f"; it fits {other}: give --model {other}" if other and other != model_name else ""))
 
 
@@ -193,7 +377,7 @@ def decide_start(args):
         path, checkpoint = args.resume, read("--resume", args.resume)
     if checkpoint is not None and not args.evaluate:
         _check_it_can_resume(checkpoint, path, args, auto)
-    return Start(path or "", auto)
+    return Start(path or "", auto, model_given=args.model is not None)  # (before args are completed)
 
 
 def _check_it_can_resume(checkpoint, path, args, auto):
@@ -210,6 +394,9 @@ def _check_it_can_resume(checkpoint, path, args, auto):
         fail(f"--resume {path} holds no {', '.join(missing)}: it has weights only ({fits}; evaluate it with "
              f"-e{model} --resume {path}, or fine-tune from it with{model} --weights {path}); to continue training, "
              "resume a checkpoint.pth that main.py wrote")
+    problems = _training_misfits(checkpoint)
+    if problems:
+        _refuse_training(checkpoint, path, problems)
 
 
 def _find_in_run(output_dir, evaluate, say_none=True):
@@ -220,6 +407,8 @@ def _find_in_run(output_dir, evaluate, say_none=True):
         if os.path.isfile(path):
             try:
                 checkpoint = read("--resume auto:", path)
+            except paths.Unreadable:
+                raise  # a file this user may not read is not damaged: said as such, not rewound past
             except UserError as error:
                 problems.append(str(error).removeprefix("--resume auto: "))
                 continue
@@ -237,17 +426,17 @@ def _find_in_run(output_dir, evaluate, say_none=True):
     return None, None
 
 
-def checked(checkpoint, args, classes):
+def checked(checkpoint, args, train_set):
     """main.py's checkpoint (what its torch.load returned, or None) made what main.py reads, or one line that says
-    why it cannot be: normalized(); its model and classes this run's, its weights fitting (decide_start checked
-    that it can resume). Trained with another global batch, it continues at the step that has seen as many images.
-    Says where the run goes on."""
+    why it cannot be: normalized(); its model and classes this run's (train_set's), its weights fitting, and for
+    training its optimizer fitting the model (decide_start checked the rest of what resuming reads). Trained with
+    another global batch, it continues at the step that has seen as many images. Says where the run goes on."""
     if checkpoint is None:
         return None
-    path = args.resume
-    if args.model not in MODEL_NAMES or args.output_stride not in (8, 16):
-        fail(f"--resume {path} says its model is {args.model!r} at output stride {args.output_stride!r}, which this "
-             f"version does not build: give --model (one of {', '.join(MODEL_NAMES)}) and --output-stride (8 or 16)")
+    path, classes = args.resume, train_set.classes
+    if args.model not in MODEL_NAMES or args.output_stride not in (8, 16):  # its args hold None (read() refused others)
+        fail(f"--resume {path} names its model {args.model!r} at output stride {args.output_stride!r} in its args: "
+             f"give --model (one of {', '.join(MODEL_NAMES)}) and --output-stride (8 or 16)")
     checkpoint = normalized(checkpoint, "--resume", path)
     _check_model_name(checkpoint, "--resume", path, args.model)
     theirs = classes_of(checkpoint)
@@ -256,12 +445,22 @@ def checked(checkpoint, args, classes):
              f"{named('--data')} has {len(classes['names'])} others ({', '.join(classes['names'][:3])}, ...): "
              f"use the model on its own data, or fine-tune it on this data into a new output folder: --weights {path} "
              f"{'with another OUTPUT_DIR' if named('--data') == 'DATA' else '--output-dir NEW'}")
-    check_fits(checkpoint["model"], "--resume", path, args.model, len(classes["names"]), args.output_stride)
-    return checkpoint if args.evaluate else _continued(dict(checkpoint), args)
+    check_fits(checkpoint["model"], "--resume", path, args.model, len(classes["names"]), args.output_stride,
+               checkpoint)
+    if args.evaluate:
+        return checkpoint
+    problems = _optimizer_fits(checkpoint, args.model, len(classes["names"]), args.output_stride)
+    if problems:
+        _refuse_training(checkpoint, path, problems)
+    return _continued(dict(checkpoint), args, len(train_set))
 
 
-def _continued(checkpoint, args):
-    """The position a checkpoint's run goes on from, said; in another global batch, the step rescaled."""
+def _continued(checkpoint, args, images):
+    """The position a checkpoint's run goes on from, said; in another global batch, the step rescaled. A position
+    past the end of its epoch (the epoch has fewer steps now: fewer training images, or a larger global batch) is
+    that epoch's end: its training is done, and main.py evaluates and saves it before the next. images: the
+    training set's."""
+    checkpoint.setdefault("epoch_loss_sum", 0.0)  # at an epoch's start (_training_misfits refused one part-way)
     path, epoch, step = args.resume, checkpoint["epoch"], checkpoint["step"]
     if epoch >= args.epochs:
         return checkpoint  # finished: main.py says there is nothing to train
@@ -280,6 +479,12 @@ def _continued(checkpoint, args):
             f"x -b {before[1]} x --accum-steps {before[2]}); this run's is {job.global_batch(args)} ({now[0]} x "
             f"{now[1]} x {now[2]}). It continues at the same epoch and learning-rate position, but not bitwise as an "
             "uninterrupted run would")
+    steps_per_epoch = images // job.global_batch(args)
+    if 0 < steps_per_epoch <= step:  # (0: a global batch larger than the data, which the preflight says next)
+        log(f"note: {path} is at step {step} of epoch {epoch}, and an epoch has {steps_per_epoch} steps now ("
+            f"{images} training images, a global batch of {job.global_batch(args)}): epoch {epoch}'s training is "
+            "done; it is evaluated and saved, and the run goes on with the next")
+        checkpoint["step"] = step = steps_per_epoch
     where = f"epoch {epoch} after step {step}" if step else f"the start of epoch {epoch}"
     best = checkpoint["best_miou"]
     log(f"resuming from {path} at {where} (epochs counted from 0), best mIoU "
@@ -340,7 +545,7 @@ def load_weights(model, args, classes):
             f"classes of {named('--data')} and starts afresh; every other layer starts from {path}")
     else:
         log(f"--weights {path}: every layer starts from it")
-    check_fits(weights, "--weights", path, args.model, len(classes["names"]), args.output_stride)
+    check_fits(weights, "--weights", path, args.model, len(classes["names"]), args.output_stride, checkpoint)
     model.load_state_dict(weights)
 
 
@@ -356,40 +561,48 @@ def keeping_previous(save):
     checkpoint it replaces stays as *.prev.pth (a fallback for --resume auto when the new one is damaged), the
     rename reaches the disk (the folder is synced), and a write that fails (a full disk) leaves the previous
     checkpoint as it was and no temporary file, and is told to the ranks' next vote (stops.write_failed), which
-    ends every rank together, rank 0 saying why in one line."""
+    ends every rank together, rank 0 saying why in one line. No name it uses can be met by a later save: the
+    second name is new each time (paths.temporary_name), and gone when the save returns, also where it and
+    *.prev.pth were already one file (a rewind's, or links a backup made)."""
     @functools.wraps(save)
     def save_keeping_the_previous(state, path):
         # This epoch's other files failed: no checkpoint after them, the epoch is redone.
         if stops.pending_write_failure():
             return
-        keep = f"{previous_path(path)}.{os.getpid()}.tmp"  # a second name for the old file, until the new is whole
+        keep = paths.temporary_name(previous_path(path))  # a second name for the old file, until the new is whole
         try:
             if os.path.isfile(path):
-                os.link(path, keep)
-            save(state, path)
-            if os.path.exists(keep):
+                paths.second_name(path, keep)
+            save(stamped(state), path)  # with this version's format number, which the lesson does not write
+            if os.path.lexists(keep):
                 os.replace(keep, previous_path(path))
+            if os.path.lexists(keep):  # rename(2) of one name of a file onto another of its names does nothing
+                os.remove(keep)
             folder = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
             os.fsync(folder)  # the renames themselves survive a power cut
             os.close(folder)
         except (OSError, RuntimeError) as error:  # torch.save reports a failed write as a RuntimeError
             paths.note_free_space(error, path)
             for leftover in (keep, path + ".tmp"):
-                if os.path.exists(leftover):
+                if os.path.isfile(leftover):
                     os.remove(leftover)
             stops.write_failed(_cannot_write(path, error))
     return save_keeping_the_previous
 
 
 def _cannot_write(path, error):
-    """The line for a checkpoint that could not be written: what, why, the space left, and what to do."""
+    """The line for a checkpoint that could not be written: what, why (the space left, for a full disk), and what
+    to do, from the error's errno (paths.what_to_do)."""
     kept = os.path.isfile(path)
     # Without a checkpoint, what the epoch wrote before it (its metrics line, best.pth) is a run of its own that the
     # same command would refuse to replace: --overwrite puts it aside.
     again = "./run.sh --overwrite" if named("--output-dir") == "OUTPUT_DIR" else "the same command with --overwrite"
-    then = (f"{path} is the last one written. Free space; then, to resume, {job.resume_advice()}" if kept else
-            f"no checkpoint was kept. Free space, then start again: {again} (what this epoch wrote is put aside)")
-    return f"cannot write {path} ({paths.why_not_written(error)}): {then}"
+    target = getattr(error, "filename2", None) or path  # the rename of the one before onto checkpoint.prev.pth, say
+    advice = paths.what_to_do(error, path)
+    advice = advice[:1].upper() + advice[1:]
+    then = (f"{path} is the last one written. {advice}; then, to resume, {job.resume_advice()}" if kept else
+            f"no checkpoint was kept. {advice}, then start again: {again} (what this epoch wrote is put aside)")
+    return f"cannot write {target} ({paths.why_not_written(error)}): {then}"
 
 
 # --- predict.py -------------------------------------------------------------------------------------------------
@@ -399,12 +612,13 @@ def load_for_inference(path):
     names and colours from "classes" when it has them (else Cityscapes'). -> (model in eval mode, classes)."""
     checkpoint = read("--resume", path)
     saved = saved_args(checkpoint)
-    if "model" not in saved:
+    if saved.get("model") is None:
         fail(f"--resume {path} holds weights without the model's name (no args['model']): give a checkpoint "
              "main.py wrote (best.pth or checkpoint.pth)")
     classifier = checkpoint["model"].get("classifier.weight")
-    if saved["model"] not in MODEL_NAMES or classifier is None:
-        fail(f"--resume {path} is not a checkpoint of this project's DeepLab (model {saved['model']!r})")
+    if classifier is None:  # (a model this version does not build: read() said so)
+        fail(f"--resume {path} holds no classifier.weight, which every DeepLab of this project has: give a "
+             "checkpoint main.py wrote (best.pth or checkpoint.pth)")
     num_classes = classifier.shape[0]
     model = build_model(saved["model"], num_classes, saved.get("output_stride") or DEFAULT_OUTPUT_STRIDE)
     try:
@@ -412,9 +626,9 @@ def load_for_inference(path):
     except RuntimeError as error:
         fail(f"--resume {path} does not fit {saved['model']} ({first_line(error)})")
     classes = checkpoint.get("classes") or {"names": CLASS_NAMES, "colors": CLASS_COLORS}
-    if len(classes["names"]) != num_classes:
+    if len(classes["names"]) != num_classes:  # (weights without classes, of another number than Cityscapes')
         fail(f"--resume {path} has {num_classes} classes but names for {len(classes['names'])}")
-    return model.eval(), classes
+    return model.eval(), {"names": classes["names"], "colors": colors_of(classes)}
 
 
 # --- where the run's files begin -------------------------------------------------------------------------------
@@ -431,20 +645,23 @@ def rewrite_run_files_at(args, start, epoch, step):
     kept, dropped, total = _split_metrics(metrics, epoch)
     # Resuming from another checkpoint of this run rewinds it, unless that one is checkpoint.pth's twin byte for
     # byte (best.pth of the last epoch): nothing came after it, nothing to keep.
-    rewind = (bool(start.path) and paths.inside(start.path, out) and not paths.inside(start.path, latest)
+    rewind = (bool(start.path) and paths.names_in(start.path, out) and not paths.same_name(start.path, latest)
               and not (os.path.isfile(latest) and filecmp.cmp(start.path, latest, shallow=False)))
     saved = []
     if rewind:
         for name in ("checkpoint.pth", "checkpoint.prev.pth", "best.pth"):
             path = os.path.join(out, name)
-            if os.path.isfile(path) and not paths.inside(start.path, path):
+            if os.path.isfile(path) and not paths.same_name(start.path, path):
                 copy = paths.beside(path, "rewound")
-                os.link(path, copy)  # a second name: the run replaces the first, this one stays
+                paths.second_name(path, copy)  # the run replaces the first name, this one stays
                 saved.append(os.path.basename(copy))
-        if os.path.isfile(previous_path(latest)) and not paths.inside(start.path, previous_path(latest)):
+        if os.path.isfile(previous_path(latest)) and not paths.same_name(start.path, previous_path(latest)):
             os.remove(previous_path(latest))  # later than the start, and kept above: no fallback to it
-        os.link(start.path, latest + ".tmp")
-        os.replace(latest + ".tmp", latest)
+        # checkpoint.pth becomes a second name of the start (no copy), through a temporary name no leftover holds;
+        # the next save gives it a file of its own (keeping_previous copes with the two names).
+        temporary = paths.temporary_name(latest)
+        paths.second_name(start.path, temporary)
+        os.replace(temporary, latest)
     if dropped and rewind:
         copy = paths.beside(metrics, "rewound")
         paths.write_atomically(copy, "".join(dropped).encode())
@@ -459,15 +676,26 @@ def rewrite_run_files_at(args, start, epoch, step):
 
 
 def _split_metrics(path, epoch):
-    """metrics.jsonl's lines -> (those of the epochs before `epoch`, the complete ones after, how many lines). A
-    line cut short by a crash belonged to the epoch being redone: in neither list."""
+    """metrics.jsonl's lines -> (those kept: the records of the epochs before `epoch`, and every line that is not a
+    record of this program, such as a note a user added, in its place; the records of the epochs after; how many
+    lines). A record cut short by a crash (the last line, unended) belonged to the epoch being redone: in neither."""
     kept, dropped, total = [], [], 0
     if os.path.isfile(path):
         with open(path) as f:
             for line in f:
                 total += 1
-                try:
-                    (kept if json.loads(line)["epoch"] < epoch else dropped).append(line)
-                except (ValueError, KeyError, TypeError):
-                    pass
+                recorded = _epoch_of_record(line)
+                if recorded is None and not line.endswith("\n") and line.startswith('{"epoch": '):
+                    continue  # what records.write_epoch began: cut short
+                (kept if recorded is None or recorded < epoch else dropped).append(line)
     return kept, dropped, total
+
+
+def _epoch_of_record(line):
+    """The epoch of a line records.write_epoch wrote (a JSON object with a whole number as its epoch), or None for any
+    other line."""
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return None
+    return record["epoch"] if isinstance(record, dict) and type(record.get("epoch")) is int else None

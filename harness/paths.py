@@ -10,6 +10,8 @@ predict.py use it.
     paths.write_atomically(path, data)                        # a file whole, or the old one as it was
     paths.write_folder(path, write)                           # a generated data set: whole, or not at all
     paths.hold_output(args)                                   # one folder, one run: OUTPUT_DIR/.held locked, written
+    paths.check_run_files(args)                               # nothing there in the way of what the run writes
+    paths.why_not_written(error), paths.what_to_do(error, path)   # a failed write's reason, and advice from its errno
     paths.release_output()                                    # at the end of the run (recovery.guard): .held removed
 
 A name that says check and nothing more only reads; make, move, write, hold and release write.
@@ -18,19 +20,82 @@ import errno
 import fcntl
 import json
 import os
+import resource
+import secrets
 import shutil
 import socket
+import stat
+import struct
+import sys
+import tempfile
 import time
 
 from . import job
 from .errors import UserError, fail, first_line
-from .job import RUN, named
+from .job import RUN, log, named
 
 
 def inside(path, folder):
     """Whether path is folder itself or lies below it, links resolved."""
     path, folder = os.path.realpath(path), os.path.realpath(folder)
     return path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)
+
+
+def names_in(path, folder):
+    """Whether the name path lies in folder (the folder's own links resolved, not a link that path itself is): a
+    checkpoint.pth in the output folder that links to a file kept elsewhere is the run's own name."""
+    return inside(os.path.dirname(os.path.abspath(path)), folder)
+
+
+def same_name(path, other):
+    """Whether path and other name the same entry of one folder (links in the folders resolved, not the last one)."""
+    def entry(name):
+        return os.path.join(os.path.realpath(os.path.dirname(os.path.abspath(name))), os.path.basename(name))
+    return entry(path) == entry(other)
+
+
+def kind(path):
+    """What is at path, as a person names it: "a file", "a folder", "a named pipe (FIFO)", "a socket", "a device",
+    "a symbolic link that leads nowhere or loops back to itself"; None when nothing is there. A link is named by what
+    it leads to."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return "a symbolic link that leads nowhere or loops back to itself" if os.path.islink(path) else None
+    if stat.S_ISREG(mode):
+        return "a file"
+    if stat.S_ISDIR(mode):
+        return "a folder"
+    if stat.S_ISFIFO(mode):
+        return "a named pipe (FIFO)"
+    return "a socket" if stat.S_ISSOCK(mode) else "a device"
+
+
+# linux/fs.h: FS_IOC_GETFLAGS is _IOR('f', 1, long); a platform that lays ioctl numbers out otherwise refuses it.
+_GET_FLAGS = (2 << 30) | (struct.calcsize("l") << 16) | (ord("f") << 8) | 1
+_MARKS = ((0x10, "immutable", "i"), (0x20, "append-only", "a"))  # FS_IMMUTABLE_FL, FS_APPEND_FL
+
+
+def marked(path):
+    """(mark, chattr letter) when the file at path is marked immutable or append-only (chattr +i, +a), which no
+    rename, removal or rewrite passes, root's neither; else None (also where the filesystem keeps no such marks)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        flags = int.from_bytes(fcntl.ioctl(fd, _GET_FLAGS, bytes(8))[:4], sys.byteorder)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    return next(((name, letter) for bit, name, letter in _MARKS if flags & bit), None)
+
+
+def temporary_name(path):
+    """A name beside path for its next version while it is written, which neither another write nor the leftover
+    of a killed one holds: the process's id alone would be the same in every run of a container (always 1)."""
+    return f"{path}.{os.getpid()}-{secrets.token_hex(4)}.tmp"
 
 
 def _inputs(reads):
@@ -74,12 +139,12 @@ def make_folder(flag, path):
     found now, in one line, not after an epoch of training."""
     try:
         os.makedirs(path, exist_ok=True)
-        probe = os.path.join(path, f".write-test-{os.getpid()}")
-        with open(probe, "w"):
-            pass
+        fd, probe = tempfile.mkstemp(prefix=".write-test-", dir=path)  # a new name: nothing there is written over
+        os.close(fd)
         os.remove(probe)
     except OSError as error:
-        fail(f"{named(flag)} {path} cannot be written ({error.strerror or error}): choose a folder you can write to")
+        fail(f"{named(flag)} {path} cannot be written ({why_not_written(error)}): {what_to_do(error, path)}, or "
+             "choose another folder")
 
 
 def check_file_and_make_folder(flag, path, reads=(), replaceable=None):
@@ -143,9 +208,9 @@ def free_mib(folder):
 def write_atomically(path, data):
     """Write a temporary file, fsync, rename over path: a crash mid-write leaves the old file whole, and a failed
     write (a full disk) leaves no half file behind. data: bytes, or a function that writes into a file."""
-    tmp = f"{path}.{os.getpid()}.tmp"
+    tmp = temporary_name(path)
     try:
-        with open(tmp, "wb") as f:
+        with open(tmp, "xb") as f:
             data(f) if callable(data) else f.write(data)
             f.flush()
             os.fsync(f.fileno())
@@ -163,14 +228,122 @@ def note_free_space(error, path):
     error.free_mib = free_mib(os.path.dirname(os.path.abspath(path)))
 
 
-def why_not_written(error):
-    """What a failed write's error says, as a person reads it: a full disk as such, also when torch.save says it in its
-    own words ("unexpected pos ..." from its zip writer), with the free space when it failed."""
+def _os_error(error):
+    """The OSError of a write that failed: the error itself, or the one it was raised on (torch.save into a file
+    object raises a RuntimeError of its own, "unexpected pos ...", with the file's OSError as its context)."""
+    for _ in range(8):  # (a chain, not a loop)
+        if error is None or isinstance(error, OSError) and error.errno:
+            return error
+        error = error.__cause__ or error.__context__
+    return None
+
+
+def _errno(error):
+    """The errno of a write that failed (_os_error's). torch.save writing a path itself says a full disk in its own
+    words alone: taken for ENOSPC when the disk was nearly full as it failed."""
+    cause = _os_error(error)
+    if cause is not None:
+        return cause.errno
     free = getattr(error, "free_mib", None)
-    full = getattr(error, "errno", None) == errno.ENOSPC or (isinstance(error, RuntimeError) and free is not None
-                                                              and free < 16)
-    why = "no space left on device" if full else getattr(error, "strerror", None) or first_line(error)
-    return why + (f"; {free:.0f} MiB free there when it failed" if free is not None else "")
+    return errno.ENOSPC if isinstance(error, RuntimeError) and free is not None and free < 16 else None
+
+
+def _names(error, path):
+    """The names a failed call gave its OSError (a rename's two, the second first), then path."""
+    cause = _os_error(error)
+    given = (getattr(cause, "filename2", None), getattr(cause, "filename", None)) if cause is not None else ()
+    return [os.fsdecode(name) for name in given if isinstance(name, (str, bytes))] + [path]
+
+
+def why_not_written(error):
+    """What a failed write's error says, as a person reads it (its errno's words; a full disk as such, with the
+    free space when it failed)."""
+    number = _errno(error)
+    if number in (errno.ENOSPC, errno.EDQUOT):
+        free = getattr(error, "free_mib", None)
+        why = "no space left on device" if number == errno.ENOSPC else "disk quota exceeded"
+        return why + (f"; {free:.0f} MiB free there when it failed" if free is not None else "")
+    return os.strerror(number) if number else first_line(error)
+
+
+def _in_the_way(error, path):
+    """The entry that stands where a write needed another kind (EISDIR, ENOTDIR, EEXIST, ENOTEMPTY): of the names
+    the error gives (a rename's two, else path), the first that is a folder where a file goes, or a file where a
+    folder goes (the nearest such folder above the name), or, for EEXIST, the one that exists."""
+    names = _names(error, path)
+    number = _errno(error)
+    for name in names:
+        if number == errno.ENOTDIR:
+            place = os.path.dirname(os.path.abspath(name))
+            while place != os.path.dirname(place) and not os.path.exists(place):
+                place = os.path.dirname(place)
+            if os.path.exists(place) and not os.path.isdir(place):
+                return place
+        elif os.path.isdir(name) or (number == errno.EEXIST and os.path.lexists(name)):
+            return name
+    return names[0]
+
+
+def what_to_do(error, path):
+    """The advice for a write at path that failed, chosen from the error's errno alone, whichever writer met it:
+    a full disk, a folder or file in the way (named), permissions or a chattr mark (named), a read-only filesystem,
+    the file-size limit (ulimit -f). Words that go after "cannot write ... (why): "."""
+    number = _errno(error)
+    names = _names(error, path)
+    if number in (errno.ENOSPC, errno.EDQUOT):
+        return "free space there" + (" (or raise your quota)" if number == errno.EDQUOT else "")
+    if number in (errno.EISDIR, errno.ENOTDIR, errno.EEXIST, errno.ENOTEMPTY):
+        thing = _in_the_way(error, path)
+        return f"{thing} is {kind(thing) or 'there'}, in the way of the run's own: move it away"
+    if number in (errno.EPERM, errno.EACCES):
+        mark = next(((name, found) for name in names if (found := marked(name))), None)
+        if mark:
+            return f"{mark[0]} is marked {mark[1][0]} (lsattr): clear it with chattr -{mark[1][1]} {mark[0]}"
+        folder = os.path.dirname(os.path.abspath(names[0]))  # where the failed call wrote: its name's folder
+        return f"give this user write permission to {folder} and the files in it (ls -l {folder})"
+    if number == errno.EROFS:
+        return "its filesystem is mounted read-only: choose a folder on another one"
+    if number == errno.EFBIG:
+        limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+        if limit != resource.RLIM_INFINITY:
+            return (f"this process may write files of at most {limit / 2**20:.1f} MiB (the shell's file-size limit, "
+                    "ulimit -f): raise it, ulimit -f unlimited, in the shell that starts the run")
+        return "the file is larger than its filesystem allows: choose a folder on another filesystem"
+    if number == errno.EIO:
+        return "the device or network filesystem failed (dmesg says more): see to it, or choose another folder"
+    return "see to its cause, or choose another folder"
+
+
+class Unreadable(UserError):
+    """A file the run reads that this user may not open (check_readable): a mistake to fix, not a damaged file."""
+
+
+def check_readable(flag, path):
+    """The file at path opens for reading; else one line with the reason its errno gives, and what to do
+    (Unreadable)."""
+    try:
+        with open(path, "rb"):
+            pass
+    except OSError as error:
+        if error.errno in (errno.EACCES, errno.EPERM):
+            advice = (f"give this user read permission (ls -l {path}; chmod u+r {path} as its owner), or copy it "
+                      "somewhere this user may read it")
+        elif error.errno == errno.EIO:
+            advice = "the device or network filesystem failed (dmesg says more): copy it again from elsewhere"
+        else:
+            advice = "give another checkpoint"
+        raise Unreadable(f"{flag} {path} cannot be read ({error.strerror or error}): {advice}") from None
+
+
+def second_name(path, new):
+    """Give the file at path the second name new (not followed, when path is a link: the link itself): a hard link,
+    or a copy where the filesystem has none (FAT, some network and FUSE ones refuse them)."""
+    try:
+        os.link(path, new, follow_symlinks=False)
+    except OSError as error:
+        if error.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.EMLINK, errno.EXDEV):
+            raise
+        shutil.copy2(path, new, follow_symlinks=False)
 
 
 def write_folder(path, write):
@@ -224,7 +397,7 @@ def check_no_run_replaced(args, start):
             and any(inside(args.weights, os.path.join(args.output_dir, name)) for name in RUN_FILES)):
         fail(f"--weights {args.weights} belongs to the run that --overwrite moves aside from {named('--output-dir')} "
              f"{args.output_dir}: fine-tune into another {named('--output-dir')} instead (the run stays as it is)")
-    if not found or args.evaluate or args.overwrite or (start.path and inside(start.path, args.output_dir)):
+    if not found or args.evaluate or args.overwrite or (start.path and names_in(start.path, args.output_dir)):
         return
     what = f"{named('--output-dir')} {args.output_dir} holds another run ({', '.join(found)})"
     replace = "./run.sh --overwrite" if named("--output-dir") == "OUTPUT_DIR" else "--overwrite"
@@ -240,7 +413,7 @@ def replacing(args, start):
     """Whether --overwrite moves a run in --output-dir aside: a training run that does not continue one there
     (not a torchrun restart, not a --resume of one of its checkpoints)."""
     return (args.overwrite and not args.evaluate and not start.auto
-            and not (start.path and inside(start.path, args.output_dir)))
+            and not (start.path and names_in(start.path, args.output_dir)))
 
 
 def make_run_outputs(args, start):
@@ -249,6 +422,7 @@ def make_run_outputs(args, start):
     inside it (nothing deleted), so the new run's files and pictures are its own."""
     make_folder("--output-dir", args.output_dir)
     hold_output(args)
+    remove_leftovers(args.output_dir)
     if replacing(args, start):
         moved = move_aside(args.output_dir, RUN_FILES, "replaced")
         if moved:
@@ -258,6 +432,58 @@ def make_run_outputs(args, start):
         path = getattr(args, flag[2:].replace("-", "_"))
         if path is not None:
             make_folder(flag, path)
+
+
+def _leftover(name):
+    """A temporary file of a write that was killed: a run file's name, a dot, anything, ".tmp" (main.py's
+    checkpoint.pth.tmp, temporary_name()'s)."""
+    return name.endswith(".tmp") and any(name.startswith(f"{run_file}.") for run_file in RUN_FILES[:5])
+
+
+def remove_leftovers(folder):
+    """Rank 0, holding folder: the temporary files of writes that a kill cut short are removed. No live run writes
+    there (this one holds it), and a killed save's second name for an old checkpoint keeps its blocks on the disk."""
+    for name in os.listdir(folder):
+        path = os.path.join(folder, name)
+        if _leftover(name) and os.path.isfile(path) and not os.path.islink(path):
+            os.remove(path)
+
+
+# What each name a run writes in --output-dir must be, when it is there (check_run_files).
+WRITES = {"checkpoint.pth": "a file", "checkpoint.pth.tmp": "a file", "checkpoint.prev.pth": "a file",
+          "best.pth": "a file", "metrics.jsonl": "a file", "vis": "a folder", "tensorboard": "a folder"}
+
+
+def check_run_files(args):
+    """Before anything is read in --output-dir, and before any step: every name the run will write there that is
+    there already is what the run writes (a file, a folder), not marked immutable or append-only, and writable
+    where the run writes into it (metrics.jsonl, vis/, tensorboard/). One line names the first that is not and
+    what to do, instead of a failed save after an epoch. What --overwrite moves aside is not checked: it goes."""
+    out = args.output_dir
+    explicit = args.resume not in ("", "auto")
+    if not os.path.isdir(out) or (args.overwrite and not args.evaluate and job.env().restarts == 0
+                                  and not (explicit and names_in(args.resume, out))):  # replacing(), said early
+        return
+    writes = {"eval.json": "a file", "vis": "a folder"} if args.evaluate else dict(WRITES)
+    if not args.tensorboard:
+        writes.pop("tensorboard", None)
+    for name, wanted in writes.items():
+        path = os.path.join(out, name)
+        found = kind(path)
+        if found not in (None, wanted):
+            fail(f"{path} is {found}, where the run writes {wanted} of its own: move it away")
+        mark = marked(path) if found == "a file" else None
+        if mark:
+            fail(f"{path} is marked {mark[0]} (lsattr), and the run replaces it: clear the mark, chattr -{mark[1]} "
+                 f"{path}, or move it away")
+        written_into = name == "metrics.jsonl" or wanted == "a folder"  # appended to, or files made in it
+        if found and written_into and not os.access(path, os.W_OK | (os.X_OK if wanted == "a folder" else 0)):
+            fail(f"{path} cannot be written by this user, and the run writes to it: give this user write "
+                 f"permission (ls -ld {path}), or move it away")
+    checkpoint = job.checkpoint_path(out)
+    if not args.evaluate and os.path.islink(checkpoint) and kind(checkpoint) == "a file":
+        log(f"note: {checkpoint} is a symbolic link to {os.path.realpath(checkpoint)}: the run reads it, and its "
+            "next save replaces the link with a file of its own (the file it leads to stays as it is)")
 
 
 # --- one folder, one run ------------------------------------------------------------------------------------------
@@ -314,16 +540,22 @@ def hold_output(args):
     refused in one line naming the holder. The kernel lets go of the lock when its process ends, however it ends
     (a kill -9; on a network filesystem, a lost node after the server's lease), so a dead holder never blocks the
     next run, which says that it takes over. --check-only only looks (run.sh's preflight refuses before torchrun
-    starts). A folder that does not exist yet is held when it is made (make_run_outputs)."""
+    starts). Held before anything in the folder is read or decided: a folder that does not exist yet is made for it
+    (and removed again, with the parents made for it, when the run lets go of it empty: release_output), so that no
+    other run can begin and end there between this run's checks and its first write."""
     if job.env().rank != 0 or RUN.held is not None:
         return
     path = os.path.join(args.output_dir, HOLD)
     if args.check_only:
         _refuse_if_held(args, path)
         return
-    if not os.path.isdir(args.output_dir):
-        return
-    fd = _open_and_lock(args, path)
+    while True:
+        made = _make_for_holding(args.output_dir)
+        try:
+            fd = _open_and_lock(args, path)
+            break
+        except FileNotFoundError:  # a run that had made the folder let go of it empty, and removed it, meanwhile
+            continue
     if fd is None:
         return  # a filesystem without locks: said
     before = _holder(path)
@@ -334,18 +566,49 @@ def hold_output(args):
               flush=True)
     record = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.strftime("%Y-%m-%d %H:%M:%S"),
               "run_id": run_id}
-    RUN.held = (fd, path)  # held: let go at the end (release_output), also if the line below fails
+    RUN.held = (fd, path, made)  # held: let go at the end (release_output), also if the line below fails
     try:
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps(record).encode(), 0)
     except OSError as error:
-        fail(f"{named('--output-dir')} {args.output_dir} cannot be written ({error.strerror or error}): free space "
-             "there, or choose another folder")
+        fail(f"{named('--output-dir')} {args.output_dir} cannot be written ({why_not_written(error)}): "
+             f"{what_to_do(error, path)}")
+
+
+def _make_for_holding(folder):
+    """The folder made with its missing parents, one level at a time. -> the levels this process made, deepest
+    first (a level another process made meanwhile is not this run's)."""
+    missing = []
+    place = os.path.abspath(folder)
+    while not os.path.exists(place):
+        missing.append(place)
+        place = os.path.dirname(place)
+    made = []
+    try:
+        for level in reversed(missing):
+            try:
+                os.mkdir(level)
+                made.insert(0, level)
+            except FileExistsError:
+                pass
+    except OSError as error:
+        fail(f"{named('--output-dir')} {folder} cannot be made ({why_not_written(error)}): "
+             f"{what_to_do(error, folder)}, or choose another folder")
+    return made
+
+
+def _check_lock_file(path):
+    """The lock file's name holds a file or nothing: anything else there is named."""
+    found = kind(path)
+    if found not in (None, "a file"):
+        fail(f"{path} is {found}, where this program keeps its lock file (one folder, one run): remove it, then run "
+             "again")
 
 
 def _refuse_if_held(args, path):
     """--check-only: another run that holds the lock file at path is refused, found by a probe's lock, which ends
     with its descriptor. Nothing is written to find out."""
+    _check_lock_file(path)
     try:
         fd = os.open(path, os.O_RDWR if os.access(path, os.W_OK) else os.O_RDONLY)
     except OSError:
@@ -364,11 +627,14 @@ def _open_and_lock(args, path):
     """The lock file at path, made when missing, opened and locked (_lock). -> its descriptor, or None on a
     filesystem without locks (said). Another run's lock refuses this run (Held)."""
     while True:
+        _check_lock_file(path)
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except FileNotFoundError:
+            raise  # the folder is gone: hold_output makes it again
         except OSError as error:
-            fail(f"{named('--output-dir')} {args.output_dir} cannot be written ({error.strerror or error}): choose a "
-                 "folder you can write to")
+            fail(f"{named('--output-dir')} {args.output_dir} cannot be written ({why_not_written(error)}): "
+                 f"{what_to_do(error, path)}, or choose another folder")
         try:
             _lock(fd, path, args)
         except BlockingIOError:
@@ -430,12 +696,18 @@ def forget_hold():
 
 def release_output():
     """The end of a run that held --output-dir: the lock file removed (while still held, so that no other run
-    locks a file about to go), then let go."""
+    locks a file about to go), then let go; the folders made only to hold it, left empty (a mistake found before
+    any write), removed."""
     if RUN.held is None:
         return
-    (fd, path), RUN.held = RUN.held, None
+    (fd, path, made), RUN.held = RUN.held, None
     try:
         os.remove(path)
     except OSError:
         pass  # gone (the folder moved), or a full, read-only disk: the next holder reads a stale record, no more
     os.close(fd)
+    for level in made:
+        try:
+            os.rmdir(level)
+        except OSError:
+            break  # not empty: the run wrote there, or another run did

@@ -5,11 +5,15 @@ worker and again after each of torchrun's restarts. main.py calls it twice, befo
     args.resume = preflight.check_flags_and_hold_output(args)
     preflight.check_data_and_make_outputs(args, train_set, val_set, checkpoint)
 
-The first checks the flags, holds --output-dir (it writes OUTPUT_DIR/.held), reads the checkpoint the run starts
-from, and completes args: after it, the harness changes nothing of args. The second checks the data and the model,
-and --check-only ends there, having written nothing; then rank 0 makes the folders and rewrites the run's files to
-go on from the checkpoint, TensorBoard's writer opens, and from then on a stop saves first.
+The first checks the flags, holds --output-dir before anything there is read (it writes OUTPUT_DIR/.held, and makes
+a new folder for it), checks that nothing there is in the way of the run's files, reads the checkpoint the run
+starts from, and completes args: after it, the harness changes nothing of args. The second checks the data and the
+model, and --check-only ends there, having written nothing; then rank 0 makes the folders and rewrites the run's
+files to go on from the checkpoint, TensorBoard's writer opens, and from then on a stop saves first.
 """
+import hashlib
+import os
+
 import torch
 
 from . import checkpoints, checks, inference, job, paths, records, stops
@@ -35,15 +39,18 @@ def add_arguments(parser):
 
 
 def check_flags_and_hold_output(args):
-    """The flags, every number and what they say together; --output-dir held for this run (one folder, one run:
-    paths.hold_output writes OUTPUT_DIR/.held); the checkpoint the run starts from decided and read
+    """The flags, every number and what they say together; --output-dir held for this run before anything there
+    is read or decided (one folder, one run: paths.hold_output writes OUTPUT_DIR/.held), and what is there checked
+    against what the run writes (paths.check_run_files); the checkpoint the run starts from decided and read
     (checkpoints.decide_start); args completed (_complete_args), the harness's only change to it. -> the
     checkpoint's path for --resume ('' for a fresh start)."""
     job.remember_command(args, quiet=bool(args.check_only))
     checks.check_numbers(args, checks.MAIN)
     checks.check_args(args, torch.cuda.is_available())
     inference.read_mode(args, training=not args.evaluate)  # a mistake in --eval-* found before any work
-    paths.hold_output(args)  # no other run writes into --output-dir while this one does (paths.py)
+    with stops.deferred():  # a stop while it takes the folder: once it holds it (let go at the end), not half-way
+        paths.hold_output(args)  # before anything there is read: no other run writes there while this one does
+    paths.check_run_files(args)  # what is there in the way of the run's files: named now, not after an epoch
     RUN.start = start = checkpoints.decide_start(args)
     _complete_args(args, start)  # after this, args is read-only: the harness changes none of its flags again
     paths.check_no_run_replaced(args, start)  # another run in --output-dir is continued, or moved aside
@@ -73,6 +80,7 @@ def check_data_and_make_outputs(args, train_set, val_set, checkpoint):
     checks.check_model_fits(args, crop_size)  # --model is known now: the checkpoint's, unless given
     world_size = args.check_only or job.get_world_size()
     check_data(args, crop_size, train_set, val_set, world_size)
+    records.check_predictions_folder(args, val_set)  # no data set's masks replaced by predictions
     if args.check_only:
         raise Finished
     start = RUN.start
@@ -85,6 +93,7 @@ def check_data_and_make_outputs(args, train_set, val_set, checkpoint):
                 checkpoints.rewrite_run_files_at(args, start, epoch, step)  # a rewind keeps what it drops
     steps_per_epoch = len(train_set) // job.global_batch(args, world_size)
     records.open_tensorboard(args, epoch * steps_per_epoch + step + 1)
+    records.watch_predictions(val_set)  # a prediction that cannot be written costs the predictions, not the epoch
     stops.preflight_ended()
     if job.env().restarts and not args.evaluate:
         log(f"note: restart {job.env().restarts} by torchrun after a failure: the run goes on from "
@@ -117,6 +126,11 @@ def check_data(args, crop_size, train_set, val_set, world_size):
             log(f"warning: {len(mostly_ignored)} of {len(train_set)} training masks are more than half "
                 f"ignore_index {train_set.ignore_value} (e.g. {mostly_ignored[0]}), which the loss skips: if that "
                 "value marks a class (masks saved as 0 and 255), save them with its class index instead")
+    shared = _val_images_in_train(train_set, val_set) if not args.evaluate and job.is_main_process() else []
+    if shared:
+        log(f"warning: {len(shared)} of the {len(val_set)} val images of {data} {args.data} are also training images, "
+            f"byte for byte (e.g. {shared[0][0]} and {shared[0][1]}): the val mIoU then measures what the model has "
+            "seen, not how it does on new images; keep each image in one split")
     largest = train_set.largest  # (height, width), from the headers check_files read
     reach = [side * args.scale_range[1] for side in largest]
     if not args.evaluate and (crop_size[0] > reach[0] or crop_size[1] > reach[1]):
@@ -130,6 +144,35 @@ def check_data(args, crop_size, train_set, val_set, world_size):
         fail(f"{world_size} processes but only {len(val_set)} val images: use at most {len(val_set)} processes{in_all}")
     if not args.evaluate:
         check_global_batch(args, len(train_set), world_size)
+
+
+def _val_images_in_train(train_set, val_set):
+    """The val images whose files hold the same bytes as a training image's (a copy, a link, a split made twice):
+    [(val path, train path)]. Compared by size first, from the directory alone; only files of a size both splits
+    have are read and hashed, which different images almost never share."""
+    def sizes(paths):
+        found = {}
+        for path in paths:
+            found.setdefault(os.path.getsize(path), []).append(path)
+        return found
+
+    def digest(path):
+        with open(path, "rb") as f:
+            return hashlib.file_digest(f, "sha1").hexdigest()
+
+    if not (hasattr(train_set, "images") and hasattr(val_set, "images")):  # a data set of your own: its files unknown
+        return []
+    train, val = sizes(train_set.images), sizes(val_set.images)
+    shared = []
+    for size in val.keys() & train.keys():
+        seen = {}
+        for path in train[size]:
+            seen.setdefault(digest(path), path)
+        for path in val[size]:
+            twin = seen.get(digest(path))
+            if twin is not None:
+                shared.append((path, twin))
+    return sorted(shared)
 
 
 def check_global_batch(args, images, world_size):

@@ -1,8 +1,11 @@
 """What a run leaves beside its checkpoint, written by rank 0 alone (several ranks writing one file corrupt it):
 metrics.jsonl, best.pth, the pictures, eval.json, with --tensorboard the curves, and at the end the list of where
-things are. A write that fails (a full disk) ends the run in one line.
+things are. A write that fails (a full disk) ends the run in one line; TensorBoard's curves and --save-predictions
+(which every rank writes, through the data set) cost only themselves, never the epoch's checkpoint.
 
+    records.check_predictions_folder(args, val_set)   # the preflight: no data set's files replaced by predictions
     records.open_tensorboard(args, first_iteration)   # the preflight: TensorBoard's writer, with --tensorboard
+    records.watch_predictions(val_set)                # the preflight: a prediction that cannot be written, noted
     records.draw(iteration, loss, lr, images_per_s)   # main.py's progress lines, as TensorBoard's curves
     picture = records.picture(model, val_loader, device, args)  # rank 0's first val image, predicted again
     records.write_epoch(args, epoch, steps_per_epoch, stats, train_loss, evaluation, picture, state, is_best)
@@ -18,8 +21,8 @@ from datetime import timedelta
 import torch
 from PIL import Image
 
-from . import checks, inference, job, paths, stops
-from dataset import CLASS_COLORS, normalize
+from . import checkpoints, checks, inference, job, paths, stops
+from dataset import CLASS_COLORS, is_prediction, normalize
 from .errors import fail
 from .job import RUN, is_main_process, log, named
 
@@ -50,8 +53,14 @@ def draw(iteration, loss, lr, images_per_s):
         for name, value in (("train/loss", loss), ("train/lr", lr), ("train/images_per_s", images_per_s)):
             writer.add_scalar(name, value, iteration)
     except OSError as error:
-        log(f"warning: TensorBoard cannot write ({error}): no curves for the rest of this run")
-        RUN.records["writer"] = None
+        _tensorboard_failed(error)
+
+
+def _tensorboard_failed(error):
+    """A write of TensorBoard's that failed (a full disk): said once, and no more curves; the run goes on (its
+    checkpoint says whether the disk is full for it too)."""
+    log(f"warning: TensorBoard cannot write ({error}): no curves for the rest of this run")
+    RUN.records["writer"] = None
 
 
 def close_tensorboard():
@@ -116,28 +125,57 @@ def write_epoch(args, epoch, steps_per_epoch, stats, train_loss, evaluation, sam
               "world_size": job.get_world_size(), "peak_memory_gib": stats.peak_memory_gib}
     try:
         if is_best:
-            paths.write_atomically(os.path.join(args.output_dir, "best.pth"), lambda f: torch.save(state, f))
+            paths.write_atomically(os.path.join(args.output_dir, "best.pth"),
+                                   lambda f: torch.save(checkpoints.stamped(state), f))
         drawn = save_picture(os.path.join(args.output_dir, "vis", f"epoch_{epoch:03d}.png"), sample,
                              state["classes"]["colors"])
-        with open(os.path.join(args.output_dir, "metrics.jsonl"), "a") as f:
-            f.write(json.dumps(record) + "\n")
-        if RUN.records["writer"] is not None:
-            _draw_epoch(record, drawn)
+        metrics = os.path.join(args.output_dir, "metrics.jsonl")
+        unended = _last_line_unended(metrics)  # a note a user appended without a newline: the record starts below it
+        with open(metrics, "a") as f:
+            f.write(("\n" if unended else "") + json.dumps(record) + "\n")
     except (OSError, RuntimeError) as error:  # torch.save says a failed write as a RuntimeError
         if not hasattr(error, "free_mib"):
             paths.note_free_space(error, os.path.join(args.output_dir, "metrics.jsonl"))
-        stops.write_failed(f"cannot write in {args.output_dir} ({paths.why_not_written(error)}): free space, then "
-                           f"to resume, {job.resume_advice()}")  # every rank stops at the epoch's end, together
+        stops.write_failed(f"cannot write in {args.output_dir} ({paths.why_not_written(error)}): "
+                           + _then(args, error))  # every rank stops at the epoch's end, together
         return
+    if RUN.records["writer"] is not None:  # the curves are not the run's: a write that fails costs them alone
+        try:
+            _draw_epoch(record, drawn)
+        except OSError as error:
+            _tensorboard_failed(error)
     if stats.data_wait > 0.05:
         log(f"note: the training loop waited {stats.data_wait:.0%} of its time for data: raise -j if the machine has "
             "the cores" + ("" if args.cache_dir else ", or decode once with --cache-dir"))
     left = args.epochs - epoch - 1
-    if not RUN.records["estimated"] and left:  # after the run's first epoch, so that nobody wonders whether it hangs
+    if not RUN.records["estimated"] and left and stats.steps:  # after the run's first epoch that trained a step, so
+        # that nobody wonders whether it hangs
         RUN.records["estimated"] = True
         training = stats.seconds * steps_per_epoch / max(stats.steps, 1)  # a whole epoch's, also when it resumed
         estimate = (training + evaluation.seconds) * left
         log(f"the other {left} epoch(s) will take about {timedelta(seconds=round(estimate))}")
+
+
+def _then(args, error):
+    """What to do after a write of the epoch's files failed, which costs the epoch (no checkpoint after them): what
+    the error's errno asks (paths.what_to_do), then resume from the last checkpoint; without one, start again, what
+    the epoch wrote put aside (--overwrite), since a run's files without its checkpoint are a run the same command
+    would refuse to replace."""
+    advice = paths.what_to_do(error, os.path.join(args.output_dir, "metrics.jsonl"))
+    if os.path.isfile(job.checkpoint_path(args.output_dir)):
+        return f"{advice}, then to resume, {job.resume_advice()}"
+    again = "./run.sh --overwrite" if named("--output-dir") == "OUTPUT_DIR" else "the same command with --overwrite"
+    advice = advice[:1].upper() + advice[1:]
+    return f"no checkpoint was kept. {advice}, then start again: {again} (what this epoch wrote is put aside)"
+
+
+def _last_line_unended(path):
+    """Whether the file at path ends in a line without its newline (none there, or empty: no)."""
+    if not os.path.isfile(path) or os.path.getsize(path) == 0:
+        return False
+    with open(path, "rb") as f:
+        f.seek(-1, os.SEEK_END)
+        return f.read(1) != b"\n"
 
 
 def _draw_epoch(record, picture):
@@ -152,9 +190,12 @@ def _draw_epoch(record, picture):
 
 
 def write_eval(args, evaluation, sample, classes, num_images):
-    """-e (rank 0 alone): eval.json and the picture of the first val image. An earlier eval.json is replaced with a
-    word that says what it held. A write that fails (a full disk) ends in one line."""
+    """-e (rank 0): the picture of the first val image, then eval.json. An earlier eval.json is replaced with a word
+    that says what it held, and only by a whole new one: a write that fails (a full disk) leaves it as it was, and
+    ends in one line that says so. Then, on every rank, predictions that could not be written end the run in one
+    line (say_lost_predictions)."""
     if not is_main_process():
+        say_lost_predictions(args)
         return
     path = os.path.join(args.output_dir, "eval.json")
     earlier = ""
@@ -169,16 +210,22 @@ def write_eval(args, evaluation, sample, classes, num_images):
               "checkpoint": args.resume, "eval_time_s": evaluation.seconds,
               "mode": inference.describe(inference.read_mode(args)), "images_per_s": num_images / evaluation.seconds}
     try:
-        paths.write_atomically(path, (json.dumps(result, indent=1) + "\n").encode())
         save_picture(os.path.join(args.output_dir, "vis", "eval.png"), sample, classes["colors"])
+        paths.write_atomically(path, (json.dumps(result, indent=1) + "\n").encode())  # last: replaced whole, or not
     except OSError as error:
-        fail(f"cannot write in {args.output_dir} ({error.strerror or error}): free space there, or give -e another "
-             f"{named('--output-dir')}", this_rank=True)
-    log(f"wrote {path}" + (f" and predictions to {args.save_predictions}" if args.save_predictions else "") + earlier)
+        as_it_was = "eval.json is as it was" if os.path.isfile(path) else "no eval.json was written"
+        fail(f"cannot write in {args.output_dir} ({paths.why_not_written(error)}): {as_it_was}; "
+             f"{paths.what_to_do(error, path)}, or give -e another {named('--output-dir')}", this_rank=True)
+    lost = RUN.records.get("lost_predictions")
+    written = f" and predictions to {args.save_predictions}" if args.save_predictions and not lost else ""
+    log(f"wrote {path}{written}" + earlier)
+    say_lost_predictions(args)
 
 
 def say_where_things_are(args, best_miou):
-    """The end of training: the best mIoU, then each file the run wrote and what it is (the README shows this)."""
+    """The end of training: the best mIoU, then each file the run wrote and what it is (the README shows this). On
+    every rank, predictions that could not be written end the run in one line instead (say_lost_predictions)."""
+    say_lost_predictions(args)
     if not is_main_process():
         return
     out = args.output_dir
@@ -195,3 +242,75 @@ def say_where_things_are(args, best_miou):
     best = f"{best_miou:.4f}" if math.isfinite(best_miou) else "undefined (no val pixel of any class)"
     lines = [f"  {path:<{width}}  {what}" for path, what in found]
     log(f"done: best mIoU {best}. Where things are:\n" + "\n".join(lines))
+
+
+# --- --save-predictions ----------------------------------------------------------------------------------------
+def check_predictions_folder(args, val_set):
+    """--save-predictions, before any work (every rank): neither a data set's folder nor inside one (any data set's,
+    not --data's alone: another one's masks/val/ is its ground truth), and holding no file that a prediction would
+    replace unless save_prediction wrote it (its PNG says so: dataset.is_prediction). val_set: where each prediction
+    goes (prediction_path; a data set of your own without it: the first check alone)."""
+    folder = args.save_predictions
+    if folder is None:
+        return
+    place = os.path.realpath(folder)
+    while True:
+        found = [name for name in ("classes.json", "leftImg8bit") if os.path.exists(os.path.join(place, name))]
+        if found:
+            where = "is" if place == os.path.realpath(folder) else "is inside"
+            fail(f"--save-predictions {folder} {where} the data set {place} (it holds {found[0]}): predictions would "
+                 "land among its files, and a data set's masks are its ground truth; give a folder outside every "
+                 "data set")
+        if os.path.dirname(place) == place:
+            break
+        place = os.path.dirname(place)
+    if not hasattr(val_set, "prediction_path"):
+        return
+    there = [path for path in (val_set.prediction_path(index, folder) for index in range(len(val_set)))
+             if os.path.lexists(path) and not is_prediction(path)]
+    if there:
+        fail(f"--save-predictions {folder} holds {len(there)} file(s) that the predictions would replace (e.g. "
+             f"{there[0]}), which no --save-predictions wrote: give a new or empty folder")
+
+
+def watch_predictions(val_set):
+    """val_set's save_prediction, which main.py's evaluate() calls on every rank, made to note a write that fails (a
+    full disk) instead of raising it out of the evaluation: the evaluation finishes, the epoch is saved (or -e's
+    eval.json written), and say_lost_predictions then ends the run in one line. After a first failure the rest are
+    counted, not tried; a file half written is removed."""
+    RUN.records["lost_predictions"] = None
+    save = val_set.save_prediction
+
+    def save_or_note(index, prediction, folder):
+        lost = RUN.records["lost_predictions"]
+        if lost is not None:
+            lost[1] += 1
+            return
+        try:
+            save(index, prediction, folder)
+        except OSError as error:
+            paths.note_free_space(error, folder)
+            RUN.records["lost_predictions"] = [error, 1]
+            if hasattr(val_set, "prediction_path"):
+                with contextlib.suppress(OSError):
+                    os.remove(val_set.prediction_path(index, folder))
+    val_set.save_prediction = save_or_note
+
+
+def say_lost_predictions(args):
+    """Predictions this rank could not write, in one line (every rank says its own), once what the run had to keep
+    is kept: the last epoch's checkpoint, or -e's eval.json. With how to write them again, which works as written."""
+    lost = RUN.records.get("lost_predictions")
+    if lost is None:
+        return
+    error, count = lost
+    folder = args.save_predictions
+    if args.evaluate:
+        then = "the evaluation is in eval.json; free space, then run the same command again"
+    else:
+        checkpoint = job.checkpoint_path(args.output_dir)
+        again = (f"./run.sh -e --resume {checkpoint} --save-predictions {folder}" if job.env().under_run_sh else
+                 f"-e --resume {checkpoint} --data {args.data} --output-dir {args.output_dir} --save-predictions "
+                 f"{folder}")
+        then = f"the last epoch's checkpoint, {checkpoint}, is kept; free space, then write them from it: {again}"
+    fail(f"cannot write {count} prediction(s) in {folder} ({paths.why_not_written(error)}): {then}", this_rank=True)

@@ -36,8 +36,11 @@ from .job import RUN, log
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 
 
-class Interrupted(Exception):
-    """A stop that came before training began: nothing to save, so the run ends at once (recovery.guard says so)."""
+class Interrupted(BaseException):
+    """A stop that came before training began: nothing to save, so the run ends at once (recovery.guard says so).
+    Raised from the signal handler, wherever the run is: a BaseException, as KeyboardInterrupt is, so that no
+    `except Exception` on its way (a reader that calls a file it cannot read damaged, a download's error) takes the
+    stop for a failure of its own."""
 
 
 # --- signals ----------------------------------------------------------------------------------------------------

@@ -1,5 +1,7 @@
 """A user's mistakes end in one line that names them, before any work, and leave a previous run's files as
 they were. Flags and paths are checked in-process (no process started); run.sh's variables by run.sh."""
+import errno
+import glob
 import hashlib
 import re
 import json
@@ -215,6 +217,42 @@ def test_a_full_disk_keeps_the_previous_checkpoint_and_no_half_file(tmp_path, mo
         assert "(no space left on device; 0 MiB free there when it failed)" in str(raised.value), raised.value
         assert "checkpoint.pth is the last one written" in str(raised.value)
         assert _snapshot(str(tmp_path)) == before  # no .tmp left, checkpoint.pth and .prev.pth as they were
+
+
+def test_a_save_that_fails_says_why_from_its_errno_and_what_it_says_to_do_works(trained, tmp_path):
+    """After the preflight, a save can still fail: the line's reason and advice come from the error's errno (here a
+    file-size limit, and a folder put where checkpoint.prev.pth goes), never 'free space' for all; followed, the
+    next save works."""
+    import resource
+    out = tmp_path / "out"
+    shutil.copytree(trained, out)
+    path, previous = str(out / "checkpoint.pth"), out / "checkpoint.prev.pth"
+    state = torch.load(path, weights_only=True)
+    limits = resource.getrlimit(resource.RLIMIT_FSIZE)
+    stops.install(training=False)  # a run's start: nothing failed yet
+    resource.setrlimit(resource.RLIMIT_FSIZE, (2**20, limits[1]))  # 1 MiB, less than a checkpoint (ulimit -f 1024)
+    try:
+        main.save_checkpoint(state, path)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limits)  # as the line says: ulimit -f unlimited
+    with pytest.raises(errors.UserError) as raised:
+        stops.ranks_vote_after_epoch()
+    assert str(raised.value).startswith(f"cannot write {path} (File too large): {path} is the last one written. This "
+                                        "process may write files of at most 1.0 MiB (the shell's file-size limit, "
+                                        "ulimit -f): raise it, ulimit -f unlimited,"), raised.value
+    assert sorted(os.listdir(out)) == sorted(os.listdir(trained))  # no temporary file left
+    previous.mkdir()  # after the preflight's check: the rename onto it fails
+    stops.install(training=False)
+    main.save_checkpoint({**state, "epoch": 2}, path)
+    with pytest.raises(errors.UserError) as raised:
+        stops.ranks_vote_after_epoch()
+    assert str(raised.value).startswith(f"cannot write {previous} (Is a directory): {path} is the last one written. "
+                                        f"{previous} is a folder, in the way of the run's own: move it away;"), raised.value
+    previous.rmdir()  # as the line says
+    stops.install(training=False)
+    main.save_checkpoint({**state, "epoch": 3}, path)
+    assert stops.pending_write_failure() is None
+    assert torch.load(previous, weights_only=True)["epoch"] == 2 and torch.load(path, weights_only=True)["epoch"] == 3
 
 
 def test_the_data_folder_as_people_have_it(tiny_data, tmp_path, previous_run, capsys):
@@ -590,7 +628,8 @@ def test_labels_that_cannot_teach_are_said(tmp_path, capsys):
     data = _own_data(tmp_path, [binary, binary], names=("background", "cat", "dog"))
     main.main(main.get_args_parser().parse_args(["--data", data, *TRAIN_ARGS, "--epochs", "1", "--output-dir", out]))
     said = capsys.readouterr().out
-    warnings = [line for line in said.splitlines() if line.startswith("warning:") and "--crop-size" not in line]
+    warnings = [line for line in said.splitlines() if line.startswith("warning:") and "--crop-size" not in line
+                and "also training images" not in line]  # (these splits hold the same images, said too)
     assert len(warnings) == 2, said  # before training, and training goes on (the crop's warning aside: 6x4 images)
     assert "has a pixel of 'cat', 'dog': the model cannot learn it" in warnings[0]
     assert "2 of 2 training masks are more than half ignore_index 255" in warnings[1]
@@ -667,6 +706,48 @@ def test_a_rewind_s_start_becomes_the_run_s_checkpoint_so_a_restart_continues_it
     assert kept == {"checkpoint": "epoch 6", "checkpoint.prev": "epoch 5", "metrics": '{"epoch": 3}\n{"epoch": 4}\n'
                     '{"epoch": 5}\n'}  # best.pth is the start: nothing to keep
     assert (out / "metrics.jsonl").read_text() == '{"epoch": 0}\n{"epoch": 1}\n{"epoch": 2}\n'
+
+
+def test_a_run_rewound_to_checkpoint_prev_saves_every_epoch_after(tiny_data, trained, tmp_path, capsys):
+    out = str(tmp_path / "out")
+    shutil.copytree(trained, out)
+    # checkpoint.pth lost (the end of epoch 1, say): the run goes on from the one before it, a rewind.
+    os.rename(os.path.join(out, "checkpoint.pth"), os.path.join(out, "checkpoint.prev.pth"))
+    main.main(main.get_args_parser().parse_args(["--data", tiny_data, "--output-dir", out, *TRAIN_ARGS, "--resume",
+                                                 "auto", "--epochs", "3"]))  # epochs 1 and 2, each saved
+    said = capsys.readouterr().out
+    assert "rewinds this run" in said and "done: best mIoU" in said and "cannot write" not in said, said
+    checkpoint, previous = os.path.join(out, "checkpoint.pth"), os.path.join(out, "checkpoint.prev.pth")
+    assert checkpoints.read("--resume", checkpoint)["epoch"] == 3
+    assert checkpoints.read("--resume", previous)["epoch"] == 2
+    assert os.stat(checkpoint).st_ino != os.stat(previous).st_ino
+    assert not [name for name in os.listdir(out) if name.endswith(".tmp")], os.listdir(out)
+
+
+def test_nothing_a_killed_save_or_a_rewind_leaves_stops_a_later_save(tiny_data, trained, tmp_path, monkeypatch,
+                                                                       capsys):
+    out = tmp_path / "out"
+    shutil.copytree(trained, out)
+    path = str(out / "checkpoint.pth")
+    monkeypatch.setattr(os, "getpid", lambda: 1)  # in a container every run is process 1
+    # What saves killed half-way left (the second name of the checkpoint they replaced, their half-written files),
+    # and a checkpoint.prev.pth that is a second name of checkpoint.pth, as a rewind to it leaves it.
+    leftovers = ["checkpoint.prev.pth.1.tmp", "checkpoint.pth.tmp", "best.pth.1.tmp", "metrics.jsonl.1-0a1b2c3d.tmp"]
+    for name in leftovers:
+        (out / name).write_bytes(b"half")
+    os.link(path, out / "checkpoint.prev.pth")
+    state = torch.load(path, weights_only=True)
+    stops.install(training=False)  # a run's start: nothing failed yet
+    for epoch in (2, 3):
+        main.save_checkpoint({**state, "epoch": epoch}, path)
+        assert stops.pending_write_failure() is None
+    assert torch.load(out / "checkpoint.prev.pth", weights_only=True)["epoch"] == 2
+    assert "checkpoint.prev.pth.1.tmp" in os.listdir(out)  # a name no save uses again
+    # The next run holds the folder: no live run writes there, and what killed saves left goes.
+    main.main(main.get_args_parser().parse_args(["--data", tiny_data, "--output-dir", str(out), *TRAIN_ARGS,
+                                                 "--epochs", "3", "--resume", "auto"]))
+    assert "nothing to train" in capsys.readouterr().out
+    assert not [name for name in os.listdir(out) if name.endswith(".tmp")], os.listdir(out)
 
 
 def test_a_torchrun_restart_keeps_what_the_first_attempt_started_from(tiny_data, trained, tmp_path, monkeypatch,
@@ -774,6 +855,155 @@ def test_a_folder_in_use_is_refused_to_another_run_and_taken_over_from_a_dead_on
     assert not os.path.exists(os.path.join(out, paths.HOLD))  # let go at the end
 
 
+def test_a_new_output_folder_is_held_before_anything_in_it_is_decided(tiny_data, tmp_path, monkeypatch, capsys):
+    """A run that starts slowly into a folder that does not exist yet holds it (made for it) before it decides how
+    to start there: another run that would begin there meanwhile is refused, instead of finishing there unseen
+    and having its best.pth and metrics replaced by this one's fresh start."""
+    out = str(tmp_path / "new" / "out")
+    held_while_deciding, decide = [], checkpoints.decide_start
+
+    def deciding(args):
+        held_while_deciding.append(paths._held(out))  # what another run's paths.hold_output would meet now
+        return decide(args)
+    monkeypatch.setattr(checkpoints, "decide_start", deciding)
+    common = ["--data", tiny_data, "--output-dir", out, *TRAIN_ARGS, "--epochs", "1", "--resume", "auto"]
+    line = _main_fails(common + ["-b", "9"], capsys)  # a mistake found after the hold
+    assert "makes a global batch of 9" in line and held_while_deciding == [True], (line, held_while_deciding)
+    assert not os.path.exists(tmp_path / "new")  # the folders made for the hold, left empty, go with it
+    main.main(main.get_args_parser().parse_args(common + ["--check-only", "1"]))
+    assert not os.path.exists(tmp_path / "new")  # the preflight only looks
+    main.main(main.get_args_parser().parse_args(common))
+    assert held_while_deciding == [True, False, True] and os.path.isfile(os.path.join(out, "best.pth"))
+
+
+def _chattr(flag, path):
+    result = subprocess.run(["chattr", flag, str(path)], capture_output=True)
+    if result.returncode:
+        pytest.skip(f"chattr {flag} is not allowed here: {result.stderr.decode().strip()}")
+
+
+@pytest.mark.parametrize("name, make, expect", [
+    ("best.pth", os.mkdir, "is a folder, where the run writes a file of its own: move it away"),
+    ("metrics.jsonl", os.mkdir, "is a folder, where the run writes a file of its own: move it away"),
+    ("vis", lambda path: open(path, "w").close(), "is a file, where the run writes a folder of its own: move it away"),
+    ("checkpoint.pth", os.mkdir, "is a folder, where the run writes a file of its own: move it away"),
+    ("checkpoint.pth", os.mkfifo, "is a named pipe (FIFO), where the run writes a file of its own: move it away"),
+    ("checkpoint.pth.tmp", os.mkdir, "is a folder, where the run writes a file of its own: move it away"),
+    ("checkpoint.prev.pth", lambda path: _chattr("+i", path), "is marked immutable (lsattr), and the run replaces it: "
+                                                            "clear the mark, chattr -i "),
+    (".held", os.mkdir, "is a folder, where this program keeps its lock file (one folder, one run): remove it, then "
+                        "run again"),
+])
+def test_what_stands_where_the_run_writes_is_named_before_any_step(name, make, expect, tiny_data, trained, tmp_path,
+                                                                   capsys):
+    """Found by the preflight (run.sh's --check-only too), not after an epoch of training as a failed write
+    that says 'free space'; the advice followed, the run goes on."""
+    out = tmp_path / "out"
+    shutil.copytree(trained, out)
+    path = out / name
+    if path.is_dir():
+        shutil.rmtree(path)
+    elif path.exists() and name != "checkpoint.prev.pth":
+        path.unlink()
+    if name == "checkpoint.prev.pth":
+        shutil.copy(out / "checkpoint.pth", path)
+    make(path)
+    common = ["--data", tiny_data, "--output-dir", str(out), *TRAIN_ARGS, "--epochs", "2", "--resume", "auto"]
+    try:
+        for extra in (["--check-only", "1"], []):
+            line = _main_fails(common + extra, capsys)
+            assert line == f"main.py: error: {path} {expect}" + (str(path) + ", or move it away" if "chattr" in expect
+                                                                  else ""), line
+    finally:
+        if name == "checkpoint.prev.pth":
+            _chattr("-i", path)  # as the line says
+    if name == ".held":
+        os.rmdir(path)
+    elif name != "checkpoint.prev.pth":
+        os.rename(path, tmp_path / "moved away")
+    if name == "checkpoint.pth":
+        shutil.copy(out / "best.pth", out / "checkpoint.pth")  # (the run's checkpoint back, to go on from)
+    main.main(main.get_args_parser().parse_args(common))
+    assert "done: best mIoU" in capsys.readouterr().out
+
+
+def test_a_checkpoint_this_user_may_not_read_or_that_is_no_file_is_named_as_such(tiny_data, trained, tmp_path,
+                                                                                  monkeypatch, capsys):
+    """Permission denied is said as such, not as a truncated file, and --resume auto does not rewind past it; a
+    named pipe is not 'no such file'; a checkpoint.pth that links to a file kept elsewhere is the run's own."""
+    import builtins
+    import errno
+    out = tmp_path / "out"
+    shutil.copytree(trained, out)
+    checkpoint = str(out / "checkpoint.pth")
+    shutil.copy(checkpoint, out / "checkpoint.prev.pth")
+    before = _snapshot(out)
+    common = ["--data", tiny_data, "--output-dir", str(out), *TRAIN_ARGS, "--epochs", "2"]
+    real_open = builtins.open
+
+    def denied(file, *args, **kwargs):  # as a file of mode 600 owned by another user opens (this test runs as root)
+        if str(file) == checkpoint:
+            raise PermissionError(errno.EACCES, "Permission denied", file)
+        return real_open(file, *args, **kwargs)
+    with monkeypatch.context() as patch:
+        patch.setattr(builtins, "open", denied)
+        line = _main_fails(common + ["--resume", "auto"], capsys)
+    assert line == (f"main.py: error: --resume auto: {checkpoint} cannot be read (Permission denied): give this user "
+                    f"read permission (ls -l {checkpoint}; chmod u+r {checkpoint} as its owner), or copy it somewhere "
+                    "this user may read it"), line
+    assert _snapshot(out) == before  # not rewound to checkpoint.prev.pth
+    pipe = str(tmp_path / "pipe.pth")
+    os.mkfifo(pipe)
+    for flag in ("--resume", "--weights"):
+        line = _main_fails(common + [flag, pipe, "--output-dir", str(tmp_path / "new")], capsys)
+        assert line == f"main.py: error: {flag} {pipe} is a named pipe (FIFO), not a checkpoint: give a checkpoint file"
+    elsewhere = str(tmp_path / "kept" / "checkpoint.pth")  # the run's checkpoint kept on another disk, say
+    os.makedirs(os.path.dirname(elsewhere))
+    os.replace(checkpoint, elsewhere)
+    os.symlink(elsewhere, checkpoint)
+    kept = _snapshot(os.path.dirname(elsewhere))
+    main.main(main.get_args_parser().parse_args(common + ["--resume", "auto"]))
+    said = capsys.readouterr().out
+    assert f"note: {checkpoint} is a symbolic link to {elsewhere}: the run reads it" in said, said
+    assert f"resuming from {checkpoint} at the start of epoch 1" in said and "done: best mIoU" in said, said
+    assert not os.path.islink(checkpoint) and checkpoints.read("--resume", checkpoint)["epoch"] == 2
+    assert _snapshot(os.path.dirname(elsewhere)) == kept
+
+
+@pytest.mark.parametrize("moment, target", [
+    ("taking the output folder", (paths, "_open_and_lock")),
+    ("checking a checkpoint's CRC-32s", (__import__("zipfile").ZipFile, "testzip")),
+    ("reading a checkpoint", (torch, "load")),
+    ("checking the data", (__import__("dataset"), "seen_size")),
+    ("building the model", (main, "build_model")),
+])
+def test_a_stop_at_any_moment_before_training_ends_the_run_and_changes_nothing(moment, target, tiny_data, trained,
+                                                                                tmp_path, monkeypatch, capsys):
+    """The stop signal, sent to this process at that moment, ends the run there: never taken for a damaged file
+    by code that catches errors (the checkpoint rewound to the one before it, a good image called unreadable)."""
+    import signal
+    out = str(tmp_path / "out")
+    shutil.copytree(trained, out)
+    shutil.copy(os.path.join(out, "checkpoint.pth"), os.path.join(out, "checkpoint.prev.pth"))
+    before = _snapshot(out)
+    owner, name = target
+    real, sent = getattr(owner, name), []
+
+    def stopped_there(*args, **kwargs):
+        if not sent:
+            sent.append(signal.SIGTERM)
+            os.kill(os.getpid(), signal.SIGTERM)  # its handler runs at the next bytecode: in here
+        return real(*args, **kwargs)
+    monkeypatch.setattr(owner, name, stopped_there)
+    main.main(main.get_args_parser().parse_args(["--data", tiny_data, "--output-dir", out, *TRAIN_ARGS, "--epochs",
+                                                 "2", "--resume", "auto"]))
+    said = capsys.readouterr()
+    assert sent and "Traceback" not in said.err, said
+    assert f"stopped by signal {int(signal.SIGTERM)} before training began: nothing was trained" in said.out, said
+    assert not any(word in said.out + said.err for word in ("warning", "damaged", "cannot", "error")), said
+    assert _snapshot(out) == before  # no rewind, nothing set aside, the folder let go
+
+
 # --- a checkpoint is verified before it is trusted --------------------------------------------------------------------
 def _damage(path, at=0.5):
     """4 KiB changed inside the file, as a bad copy might: torch.load still reads it."""
@@ -867,12 +1097,18 @@ def test_earlier_results_are_replaced_with_a_word_and_a_full_disk_writing_eval_j
                                                            str(tmp_path / "p")]))
     assert "holds an earlier prediction: 3 of its files are replaced" in capsys.readouterr().out
 
-    def full_disk(path, data):
+    from harness import records
+
+    def full_disk(*args):
         raise OSError(28, "No space left on device")
-    monkeypatch.setattr(paths, "write_atomically", full_disk)
-    line = _main_fails(evaluate, capsys)
-    assert line == (f"main.py: error: cannot write in {tmp_path / 'e'} (No space left on device): free space there, "
-                    "or give -e another --output-dir"), line
+    for module, name in ((paths, "write_atomically"), (records, "save_picture")):  # eval.json's write, the picture's
+        with monkeypatch.context() as patch:
+            patch.setattr(module, name, full_disk)
+            before = _snapshot(str(tmp_path / "e"))
+            line = _main_fails(evaluate, capsys)
+        assert line == (f"main.py: error: cannot write in {tmp_path / 'e'} (no space left on device): eval.json is as "
+                        "it was; free space there, or give -e another --output-dir"), line
+        assert _snapshot(str(tmp_path / "e"))["eval.json"] == before["eval.json"]  # not replaced before the stop
 
 
 # --- advice that works: each piece of advice a mistake's line gives, followed as it is written ------------------------
@@ -895,7 +1131,7 @@ def _number_in_range(line):
 
 
 ADVICE = [  # (the mistake: argv after the common flags, its line's words, how its advice makes the next argv)
-    (["--amp", "fp16"], "--amp fp16 needs CUDA",
+    (["--amp", "fp16"], "--amp fp16 runs on CUDA only in this program",
      lambda argv, line: _replace(argv, "--amp", re.search(r"use (--amp \w+)", line).group(1).split())),
     (["--sync-bn"], "--sync-bn needs CUDA", lambda argv, line: "drop the flag" in line and _replace(argv, "--sync-bn", [])),
     (["--dist-backend", "nccl"], "needs CUDA GPUs",
@@ -1010,3 +1246,286 @@ def test_each_piece_of_advice_followed_as_written_ends_that_mistake(tiny_data, t
             assert "error" not in capsys.readouterr().err, (extra, line, advised)
         except SystemExit:
             assert words not in _one_error_line(capsys), (extra, line, advised)
+
+
+# --- a checkpoint of another version: checked whole, before any of it is used ---------------------------------------
+def _another_version(trained, path, change):
+    """trained's checkpoint.pth as another version of main.py (or a hand) might have left it: changed by change(its
+    dict), saved at path without this version's format number, as the versions before it wrote none."""
+    state = torch.load(os.path.join(trained, "checkpoint.pth"), weights_only=True)
+    assert state.pop("format") == checkpoints.FORMAT  # every checkpoint this version writes says its format
+    change(state)
+    torch.save(state, path)
+    return path
+
+
+def _adam(state):
+    """An optimizer of another kind, in the two groups main.py makes: Adam's state after one step."""
+    model = main.build_model("deeplabv3plus_mobilenet_v3_large", 19, 16, "none")
+    optimizer = torch.optim.Adam(main.make_optimizer(model, main.get_args_parser().parse_args([])).param_groups)
+    main.criterion(model(torch.randn(2, 3, 32, 32)), torch.zeros(2, 32, 32, dtype=torch.long)).backward()
+    optimizer.step()
+    state["optimizer"] = optimizer.state_dict()
+
+
+def _momentum_of_another_shape(state):
+    first = min(state["optimizer"]["state"])
+    state["optimizer"]["state"][first]["momentum_buffer"] = torch.zeros(3)
+
+
+@pytest.mark.parametrize("change, expect", [
+    (lambda s: s.update(step=2, epoch=0) or s.pop("epoch_loss_sum"), "it holds no epoch_loss_sum"),
+    (lambda s: s["optimizer"]["param_groups"].append(dict(s["optimizer"]["param_groups"][1], params=[])),
+     "its optimizer has 3 parameter group(s), not 2"),
+    (_adam, "its optimizer is not SGD's (it holds exp_avg, exp_avg_sq, step)"),
+    (_momentum_of_another_shape, "1 of its optimizer's momentum buffers fit no parameter of"),
+    (lambda s: s.update(epoch="1"), "its epoch is '1', not a whole number of at least 0"),
+    (lambda s: s.update(epoch=-1), "its epoch is -1, not a whole number"),
+    (lambda s: s.update(best_miou=None), "its best_miou is None, neither an mIoU from 0 to 1 nor -inf"),
+    (lambda s: s.update(scaler={"scale": "big"}), "its scaler is not a GradScaler's state"),
+    (lambda s: s["args"].update(batch_size=0), "its args' batch_size is 0, not a whole number of at least 1"),
+])
+def test_a_checkpoint_of_another_version_is_refused_in_one_line_before_training(change, expect, tiny_data, trained,
+                                                                               tmp_path, capsys):
+    """What main.py's train() reads of a checkpoint, checked before any of it is used: one line that names what does
+    not fit and which version wrote it, and whose advice (-e, or fine-tuning into a new folder) works as written."""
+    out = str(tmp_path / "out")
+    shutil.copytree(trained, out)
+    path = _another_version(trained, os.path.join(out, "checkpoint.pth"), change)
+    before = _snapshot(out)
+    common = ["--data", tiny_data, *TRAIN_ARGS, "--epochs", "2"]
+    line = _main_fails(common + ["--output-dir", out, "--resume", "auto"], capsys)
+    assert f"--resume {path} cannot resume training in this version of main.py: {expect}" in line, line
+    assert "(it carries no format number: an earlier version of main.py wrote it, or another program)" in line, line
+    assert _snapshot(out) == before  # nothing trained, nothing written
+    if expect.startswith("its optimizer is not SGD's"):  # the advice, the same in every case, followed once
+        advised = re.search(r"fine-tuning into a new run: (--weights \S+) --output-dir NEW$", line).group(1).split()
+        main.main(main.get_args_parser().parse_args(common[:-1] + ["1", "--output-dir", str(tmp_path / "new"),
+                                                                   *advised]))
+        assert os.path.isfile(tmp_path / "new" / "checkpoint.pth")
+        main.main(main.get_args_parser().parse_args(common + ["--output-dir", out, "-e", "--resume", path]))
+        assert "mIoU" in capsys.readouterr().out
+
+
+def test_an_older_checkpoint_that_is_whole_still_resumes_and_a_new_one_says_its_format(tiny_data, trained, tmp_path,
+                                                                                      capsys):
+    """A checkpoint without the format number (every version before it) resumes when what it holds fits: without
+    epoch_loss_sum at an epoch's start (it is 0 there), its classes without colours (predict.py draws them in
+    Cityscapes' own). What the run writes next says this version's format."""
+    import predict
+    out = str(tmp_path / "out")
+    shutil.copytree(trained, out)
+    _another_version(trained, os.path.join(out, "checkpoint.pth"),
+                     lambda s: s.pop("epoch_loss_sum") and s["classes"].pop("colors"))
+    main.main(main.get_args_parser().parse_args(["--data", tiny_data, "--output-dir", out, *TRAIN_ARGS, "--epochs",
+                                                 "2", "--resume", "auto"]))
+    assert "resuming from" in capsys.readouterr().out
+    for name in ("checkpoint.pth", "best.pth"):
+        assert checkpoints.read("--resume", os.path.join(out, name))["format"] == checkpoints.FORMAT
+    colourless = _another_version(trained, str(tmp_path / "colourless.pth"), lambda s: s["classes"].pop("colors"))
+    predict.main(predict.get_args_parser().parse_args([os.path.join(tiny_data, "leftImg8bit", "val"), "--resume",
+                                                       colourless, "-j", "0", "--output-dir", str(tmp_path / "p")]))
+    assert len(os.listdir(tmp_path / "p" / "color")) == 3  # 5 images in 3 city folders
+
+
+def test_a_step_past_the_end_of_its_epoch_finishes_that_epoch(tiny_data, trained, tmp_path, capsys):
+    """A position past the steps an epoch has now (fewer training images than when it was saved, or a larger global
+    batch): that epoch's training is done; it is evaluated and saved, and said, not trained past its end."""
+    out = str(tmp_path / "out")
+    os.makedirs(out)
+    _another_version(trained, os.path.join(out, "checkpoint.pth"), lambda s: s.update(epoch=0, step=100))
+    main.main(main.get_args_parser().parse_args(["--data", tiny_data, "--output-dir", out, *TRAIN_ARGS, "--epochs",
+                                                 "1", "--resume", "auto"]))
+    said = capsys.readouterr().out
+    assert ("is at step 100 of epoch 0, and an epoch has 4 steps now (8 training images, a global batch of 2): epoch "
+            "0's training is done; it is evaluated and saved") in said, said
+    assert "epoch 0 step" not in said  # no step trained
+    saved = checkpoints.read("--resume", os.path.join(out, "checkpoint.pth"))
+    assert (saved["epoch"], saved["step"]) == (1, 0)
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        assert [json.loads(line)["epoch"] for line in f] == [0]
+
+
+@pytest.mark.parametrize("reader", ["--resume", "-e", "--weights", "predict.py"])
+def test_a_newer_version_s_checkpoint_is_named_as_such_by_every_reader(reader, tiny_data, trained, tmp_path, capsys):
+    """A checkpoint of a newer version (a model this one does not build, a higher format number) is said to be one,
+    not sent to a --model this version refuses, nor called another network."""
+    import predict
+    for number, change in enumerate([lambda s: s.update(format=checkpoints.FORMAT + 1),
+                                     lambda s: s["args"].update(model="deeplabv3plus_resnet152")]):
+        path = _another_version(trained, str(tmp_path / f"newer{number}.pth"), change)
+        argv = {"--resume": ["--resume", path, "--epochs", "2"], "-e": ["-e", "--resume", path],
+                "--weights": ["--weights", path]}.get(reader)
+        if argv is None:
+            with pytest.raises(SystemExit):
+                predict.main(predict.get_args_parser().parse_args([tiny_data, "--resume", path]))
+            line = _one_error_line(capsys, "predict.py: error: ")
+        else:
+            line = _main_fails(["--data", tiny_data, "--output-dir", str(tmp_path / "out"), *TRAIN_ARGS, *argv], capsys)
+        flag = "--weights" if reader == "--weights" else "--resume"
+        assert (f"{flag} {path} was written by a newer version of this program (checkpoint format "
+                f"{checkpoints.FORMAT + 1}; this one reads up to {checkpoints.FORMAT}): use that version" in line
+                if number == 0 else
+                f"{flag} {path} is not a checkpoint this version of main.py reads: its model is "
+                "'deeplabv3plus_resnet152', which this version does not build" in line), line
+        assert not any(words in line for words in ("pass --model", "give --model", "--model deeplabv3plus_resnet101"))
+
+
+def test_a_line_names_where_the_model_it_builds_came_from(tiny_data, trained, tmp_path, capsys):
+    """No '--model NAME was given' when none was typed: the default, or the checkpoint's own, is said as such; and the
+    advice (give --model) works."""
+    path = _another_version(trained, str(tmp_path / "no_args.pth"), lambda s: s.pop("args"))
+    common = ["--data", tiny_data, "--output-dir", str(tmp_path / "e"), *TRAIN_ARGS, "-e", "--resume", path]
+    typed = common.index("--model")
+    line = _main_fails(common[:typed] + common[typed + 2:], capsys)
+    assert (f"--resume {path} does not fit deeplabv3plus_resnet101, the default model (no --model given, and it names "
+            "none)") in line, line
+    advised = re.search(r"give (--model \S+)$", line).group(1).split()
+    main.main(main.get_args_parser().parse_args(common[:typed] + common[typed + 2:] + advised))
+    assert "mIoU" in capsys.readouterr().out
+    line = _main_fails(common[:typed] + ["--model", "deeplabv3_resnet50"] + common[typed + 2:] + ["--resume",
+                       os.path.join(trained, "best.pth")], capsys)
+    assert "holds a deeplabv3plus_mobilenet_v3_large model, but --model deeplabv3_resnet50 was given" in line, line
+
+
+# --- what rank 0 writes beside the checkpoint: nothing of the user's, nor the trained epoch, lost -------------------
+def test_lines_a_user_added_to_metrics_jsonl_are_kept_on_resume(tiny_data, trained, tmp_path, capsys):
+    """metrics.jsonl's lines that are no record of this program (a note a user added, even one without its newline)
+    stay where they were when a run resumes; the records of the epochs it does again go, and the next record starts
+    on a line of its own."""
+    out = str(tmp_path / "out")
+    shutil.copytree(trained, out)
+    with open(os.path.join(out, "metrics.jsonl"), "a") as f:
+        f.write('# lr lowered by hand from here\n{"note": "a JSON note of mine"}\n{"epoch": 1, "iteration": 8, '
+                '"miou": 0.5}\nlast note, no newline')
+    main.main(main.get_args_parser().parse_args(["--data", tiny_data, "--output-dir", out, *TRAIN_ARGS, "--epochs",
+                                                 "2", "--resume", "auto"]))
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        lines = f.read().splitlines()
+    assert [line[:11] for line in lines] == ['{"epoch": 0', "# lr lowere", '{"note": "a', "last note, ",
+                                             '{"epoch": 1'], lines  # the stale record of epoch 1 gone, redone
+
+
+def test_save_predictions_never_replaces_a_data_set_s_files(tiny_data, folder_data, trained, tmp_path, capsys):
+    """--save-predictions inside any data set (not only --data: another one's masks are its ground truth), or in a
+    folder holding files the predictions would replace that no --save-predictions wrote, is refused before any
+    work; predictions written there before (each PNG says what wrote it) are written again."""
+    other, copy = str(tmp_path / "other"), str(tmp_path / "copy")
+    shutil.copytree(folder_data, other)
+    shutil.copytree(os.path.join(folder_data, "masks", "val"), copy)  # masks, in a folder of no data set
+    before = _snapshot(other), _snapshot(copy)
+    common = ["--data", folder_data, "--output-dir", str(tmp_path / "out"), *TRAIN_ARGS, "--epochs", "1"]
+    line = _main_fails(common + ["--save-predictions", os.path.join(other, "masks", "val")], capsys)
+    assert (f"--save-predictions {os.path.join(other, 'masks', 'val')} is inside the data set {other} (it holds "
+            "classes.json): predictions would land among its files") in line, line
+    line = _main_fails(common + ["--save-predictions", copy], capsys)
+    assert (f"--save-predictions {copy} holds 5 file(s) that the predictions would replace (e.g. {copy}/") in line
+    assert "which no --save-predictions wrote: give a new or empty folder" in line, line
+    assert (_snapshot(other), _snapshot(copy)) == before and not os.path.exists(tmp_path / "out")
+    evaluate = ["--data", tiny_data, "--output-dir", str(tmp_path / "e"), *TRAIN_ARGS, "-e", "--resume",
+                os.path.join(trained, "best.pth"), "--save-predictions", str(tmp_path / "new")]
+    city = str(tmp_path / "city")  # another Cityscapes: its gtFine/val/ is its ground truth
+    shutil.copytree(tiny_data, city)
+    line = _main_fails(evaluate[:-1] + [os.path.join(city, "gtFine", "val")], capsys)
+    assert f"is inside the data set {city} (it holds leftImg8bit)" in line, line
+    for _ in range(2):  # the advice followed, twice: the second replaces what the first wrote
+        main.main(main.get_args_parser().parse_args(evaluate))
+        assert len(glob.glob(str(tmp_path / "new" / "*_pred_labelIds.png"))) == 5
+
+
+def _no_space(*args, **kwargs):
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def test_a_full_disk_under_save_predictions_or_tensorboard_keeps_the_trained_epoch(tiny_data, trained, tmp_path,
+                                                                                  monkeypatch, capsys):
+    """Predictions or TensorBoard's curves that cannot be written (a full disk there) cost those, not the epoch: its
+    checkpoint is saved; the predictions end the run in one line whose advice writes them."""
+    from torch.utils.tensorboard import SummaryWriter
+    import dataset
+    out, predictions = str(tmp_path / "out"), str(tmp_path / "predictions")
+    common = ["--data", tiny_data, *TRAIN_ARGS, "--epochs", "1"]
+    with monkeypatch.context() as patch:
+        patch.setattr(dataset.Cityscapes, "save_prediction", _no_space)
+        patch.setattr(SummaryWriter, "add_image", _no_space)
+        line = _main_fails(common + ["--output-dir", out, "--save-predictions", predictions, "--tensorboard"], capsys)
+    checkpoint, free = os.path.join(out, "checkpoint.pth"), re.search(r"; (\d+) MiB free", line).group(1)
+    assert line == (f"main.py: error: cannot write 5 prediction(s) in {predictions} (no space left on device; "
+                    f"{free} MiB free there when it failed): the last epoch's "
+                    f"checkpoint, {checkpoint}, is kept; free space, then write them from it: -e --resume {checkpoint} "
+                    f"--data {tiny_data} --output-dir {out} --save-predictions {predictions}"), line
+    assert checkpoints.read("--resume", checkpoint)["epoch"] == 1 and os.listdir(predictions) == []
+    advised = line.split("write them from it: ")[1].split()
+    main.main(main.get_args_parser().parse_args(TRAIN_ARGS + advised))
+    assert len(os.listdir(predictions)) == 5
+    monkeypatch.setattr(dataset.Cityscapes, "save_prediction", _no_space)  # -e: eval.json is written, then the line
+    line = _main_fails(["--data", tiny_data, *TRAIN_ARGS, "-e", "--resume", checkpoint, "--output-dir",
+                        str(tmp_path / "e"), "--save-predictions", predictions], capsys)
+    assert "the evaluation is in eval.json; free space, then run the same command again" in line, line
+    assert os.path.isfile(tmp_path / "e" / "eval.json")
+
+
+def test_a_full_disk_before_the_first_checkpoint_gives_advice_that_works(tiny_data, tmp_path, monkeypatch, capsys):
+    """The epoch's picture cannot be written and no checkpoint was kept yet: the advice is to start again with
+    --overwrite (resuming would find no checkpoint and refuse the files the epoch wrote), and it works."""
+    from harness import records
+    argv = ["--data", tiny_data, "--output-dir", str(tmp_path / "out"), *TRAIN_ARGS, "--epochs", "1"]
+    with monkeypatch.context() as patch:
+        patch.setattr(records, "save_picture", _no_space)
+        line = _main_fails(argv, capsys)
+    assert ("(no space left on device; " in line and line.endswith(
+        "no checkpoint was kept. Free space there, then start again: the same command with --overwrite (what this "
+        "epoch wrote is put aside)")), line
+    main.main(main.get_args_parser().parse_args(argv + ["--overwrite"]))
+    assert os.path.isfile(tmp_path / "out" / "checkpoint.pth")
+
+
+@pytest.mark.parametrize("layout, folder", [("cityscapes", ("leftImg8bit", "val")), ("cityscapes", ("gtFine", "val")),
+                                            ("folder", ("masks", "train"))])
+def test_a_data_folder_that_cannot_be_listed_is_named_in_one_line(layout, folder, tiny_data, folder_data, tmp_path,
+                                                                  monkeypatch, capsys):
+    """A folder of the data set this user may not read (permission denied) is named, with errno's advice, instead of
+    a traceback (os.listdir) or images left out without a word (os.walk, glob); given the permission, the run goes
+    on. As root, who may read anything, the refusal is made by os.listdir and os.scandir themselves."""
+    data = str(tmp_path / "data")
+    shutil.copytree(tiny_data if layout == "cityscapes" else folder_data, data)
+    top = os.path.join(data, *folder)
+    unreadable = os.path.join(top, sorted(os.listdir(top))[0]) if layout == "cityscapes" else top  # a city, or masks
+    argv = ["--data", data, "--output-dir", str(tmp_path / "out"), *TRAIN_ARGS, "--check-only", "1"]
+    with monkeypatch.context() as patch:
+        if os.geteuid() != 0:
+            os.chmod(unreadable, 0)
+        for name in ("listdir", "scandir") if os.geteuid() == 0 else ():
+            def refuse(path=".", real=getattr(os, name)):
+                if os.path.abspath(path) == unreadable:
+                    raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), path)
+                return real(path)
+            patch.setattr(os, name, refuse)
+        line = _main_fails(argv, capsys)
+    assert line == (f"main.py: error: {unreadable} cannot be listed (Permission denied): give the user that runs "
+                    f"training permission to read it and the folders in it (ls -ld {unreadable}: its owner and mode)")
+    os.chmod(unreadable, 0o755)  # the advice followed (as root: the refusal taken away with the patch)
+    main.main(main.get_args_parser().parse_args(argv))  # --check-only: every check passes
+    assert "error" not in capsys.readouterr().err
+
+
+def test_val_images_that_are_also_training_images_are_said_before_training(tiny_data, tmp_path, capsys):
+    """Val images with the bytes of a training image (copied under another name) make the val mIoU a measure of
+    memory: a warning before training says how many, with an example pair. A set without any says nothing."""
+    from dataset import open_dataset
+    from harness import preflight
+    assert preflight._val_images_in_train(open_dataset(tiny_data, "train"), open_dataset(tiny_data, "val")) == []
+    data = str(tmp_path / "data")
+    shutil.copytree(tiny_data, data)
+    trains = sorted(glob.glob(os.path.join(data, "leftImg8bit", "train", "*", "*_leftImg8bit.png")))[:2]
+    for number, image in enumerate(trains):  # into a val city of their own, under new names
+        for sub, suffix in (("leftImg8bit", "leftImg8bit"), ("gtFine", "gtFine_labelIds")):
+            source = image.replace("leftImg8bit", sub, 1).replace("leftImg8bit.png", f"{suffix}.png")
+            os.makedirs(os.path.join(data, sub, "val", "copied"), exist_ok=True)
+            shutil.copy(source, os.path.join(data, sub, "val", "copied", f"copied_000000_00000{number}_{suffix}.png"))
+    main.main(main.get_args_parser().parse_args(["--data", data, "--output-dir", str(tmp_path / "out"), *TRAIN_ARGS,
+                                                 "--epochs", "1"]))
+    said = capsys.readouterr().out
+    assert (f"warning: 2 of the 7 val images of --data {data} are also training images, byte for byte (e.g. "
+            f"{data}/leftImg8bit/val/copied/copied_000000_000000_leftImg8bit.png and {trains[0]})") in said, said
+    assert said.index("are also training images") < said.index("training deeplabv3plus")  # before any step
