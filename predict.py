@@ -261,8 +261,8 @@ class Writer:
             write.result()
         except OSError as error:
             self.threads.shutdown(wait=False, cancel_futures=True)
-            fail(f"cannot write in --output-dir {self.output_dir} ({error.strerror or error}): free space there "
-                 "or choose another folder", this_rank=True)
+            fail(f"cannot write in --output-dir {self.output_dir} ({paths.why_not_written(error)}): "
+                 f"{paths.what_to_do(error, self.output_dir)}", this_rank=True)
 
 
 def report_progress(done, unreadable, total, start):

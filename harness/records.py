@@ -305,12 +305,13 @@ def say_lost_predictions(args):
         return
     error, count = lost
     folder = args.save_predictions
+    advice = paths.what_to_do(error, folder)  # from the errno: a full disk, permissions, the file-size limit...
     if args.evaluate:
-        then = "the evaluation is in eval.json; free space, then run the same command again"
+        then = f"the evaluation is in eval.json; {advice}, then run the same command again"
     else:
         checkpoint = job.checkpoint_path(args.output_dir)
         again = (f"./run.sh -e --resume {checkpoint} --save-predictions {folder}" if job.env().under_run_sh else
                  f"-e --resume {checkpoint} --data {args.data} --output-dir {args.output_dir} --save-predictions "
                  f"{folder}")
-        then = f"the last epoch's checkpoint, {checkpoint}, is kept; free space, then write them from it: {again}"
+        then = f"the last epoch's checkpoint, {checkpoint}, is kept; {advice}, then write them from it: {again}"
     fail(f"cannot write {count} prediction(s) in {folder} ({paths.why_not_written(error)}): {then}", this_rank=True)

@@ -1452,7 +1452,7 @@ def test_a_full_disk_under_save_predictions_or_tensorboard_keeps_the_trained_epo
     checkpoint, free = os.path.join(out, "checkpoint.pth"), re.search(r"; (\d+) MiB free", line).group(1)
     assert line == (f"main.py: error: cannot write 5 prediction(s) in {predictions} (no space left on device; "
                     f"{free} MiB free there when it failed): the last epoch's "
-                    f"checkpoint, {checkpoint}, is kept; free space, then write them from it: -e --resume {checkpoint} "
+                    f"checkpoint, {checkpoint}, is kept; free space there, then write them from it: -e --resume {checkpoint} "
                     f"--data {tiny_data} --output-dir {out} --save-predictions {predictions}"), line
     assert checkpoints.read("--resume", checkpoint)["epoch"] == 1 and os.listdir(predictions) == []
     advised = line.split("write them from it: ")[1].split()
@@ -1461,7 +1461,7 @@ def test_a_full_disk_under_save_predictions_or_tensorboard_keeps_the_trained_epo
     monkeypatch.setattr(dataset.Cityscapes, "save_prediction", _no_space)  # -e: eval.json is written, then the line
     line = _main_fails(["--data", tiny_data, *TRAIN_ARGS, "-e", "--resume", checkpoint, "--output-dir",
                         str(tmp_path / "e"), "--save-predictions", predictions], capsys)
-    assert "the evaluation is in eval.json; free space, then run the same command again" in line, line
+    assert "the evaluation is in eval.json; free space there, then run the same command again" in line, line
     assert os.path.isfile(tmp_path / "e" / "eval.json")
 
 
