@@ -46,8 +46,10 @@ PYTHON=${PYTHON:-python}
 SYNTHETIC=${SYNTHETIC:-data/cityscapes_synthetic}
 MAX_RESTARTS=${MAX_RESTARTS:-3}
 JOIN_TIMEOUT=${JOIN_TIMEOUT:-600}
+STOP_STATUS=${STOP_STATUS:-0}  # the exit status after a stop every worker saved (a scheduler's script may requeue)
 for VAR in NNODES MASTER_PORT JOIN_TIMEOUT; do need_number "$VAR" 1; done
-for VAR in NODE_RANK MAX_RESTARTS; do need_number "$VAR" 0; done
+for VAR in NODE_RANK MAX_RESTARTS STOP_STATUS; do need_number "$VAR" 0; done
+[ "$STOP_STATUS" -le 255 ] || fail "STOP_STATUS=$STOP_STATUS: an exit status is at most 255"
 [ "$NODE_RANK" -lt "$NNODES" ] || fail "NODE_RANK=$NODE_RANK: nodes are numbered 0 to NNODES-1 ($(( NNODES - 1 )))"
 [ "$MASTER_PORT" -le 65535 ] || fail "MASTER_PORT=$MASTER_PORT: a port is at most 65535"
 [ -z "${NPROC:-}" ] || need_number NPROC 1
@@ -90,15 +92,29 @@ if [ "${CUDA_VISIBLE_DEVICES-unset}" = "" ]; then
 else
   # In the background, waited for, as every Python step before training: a stop ends it at once, and does not wait
   # for a driver that does not answer (a command substitution would wait for Python before run.sh could act).
-  COUNT=$(mktemp "${TMPDIR:-/tmp}/deeplab-gpus.XXXXXX") \
+  COUNT=$(mktemp -d "${TMPDIR:-/tmp}/deeplab-gpus.XXXXXX") \
     || fail "TMPDIR=${TMPDIR:-/tmp} cannot be written: set TMPDIR to a folder of this machine that can"
-  trap 'rm -f "$COUNT"' EXIT
+  trap 'rm -rf "$COUNT"' EXIT
   STATUS=0
-  STOP_WAIT=0 run_step "counting the GPUs" "$PYTHON" -c "import torch; print(torch.cuda.device_count())" \
-    > "$COUNT" || STATUS=$?
-  NGPU=$(cat "$COUNT"); rm -f "$COUNT"; trap - EXIT
-  [ "$STATUS" -eq 0 ] && [[ "$NGPU" =~ ^[0-9]+$ ]] \
-    || fail "$PYTHON cannot count the GPUs: is PyTorch installed? pip install -r $ROOT/requirements.txt"
+  # What Python says goes to a file (the step's own redirection: run_step's stop line still reaches the terminal).
+  STOP_WAIT=0 run_step "counting the GPUs" sh -c 'exec "$0" -c "import torch; print(torch.cuda.device_count())" \
+    > "$1/gpus" 2> "$1/said"' "$PYTHON" "$COUNT" || STATUS=$?
+  NGPU=$(cat "$COUNT/gpus")
+  # The line that names the error: an exception's, or a fatal error's first (Python's state follows it), else the last.
+  SAID=$(grep -E '^(Fatal Python error: |[A-Za-z_][A-Za-z0-9_.]*(Error|Exception)(: |$))' "$COUNT/said" \
+    | tail -n 1 || true)
+  [ -n "$SAID" ] || SAID=$(grep -v '^[[:space:]]*$' "$COUNT/said" | tail -n 1 || true)
+  if [ "$STATUS" -eq 0 ]; then
+    (cat "$COUNT/said" >&2) 2>/dev/null || true  # a warning of PyTorch's (a driver too old, say) is for the user
+  fi
+  rm -rf "$COUNT"; trap - EXIT
+  if [ "$STATUS" -ne 0 ] || ! [[ "$NGPU" =~ ^[0-9]+$ ]]; then
+    # Advice only where the error gives it: PyTorch missing; anything else is said in Python's own words.
+    [ "$SAID" != "ModuleNotFoundError: No module named 'torch'" ] || fail "PYTHON=$PYTHON has no PyTorch ($SAID):" \
+      "pip install -r $ROOT/requirements.txt with it, or set PYTHON to the Python that has it"
+    fail "PYTHON=$PYTHON cannot count the GPUs (python -c \"import torch; print(torch.cuda.device_count())\"):" \
+      "${SAID:-it said nothing, exit status $STATUS}"
+  fi
   if [ "$NGPU" -eq 0 ] && [ -n "${CUDA_VISIBLE_DEVICES:-}" ]; then
     say "run.sh: note: CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES, but PyTorch sees no GPU: running on the CPU"
   fi
@@ -173,21 +189,27 @@ say "run.sh: $NPROC process(es) on this node, $NNODES node(s), data $DATA, outpu
 # Workers get a store of their own for each attempt: when they share torchrun's rendezvous store, a
 # restarted worker can read the previous attempt's addresses and fail to connect (pytorch/pytorch#135712).
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
-# A signal that comes while a worker is still starting (importing torch, before its handlers) kills it, and
-# torchrun would start it again to train on: the first signal is also written here, where workers look.
+# A signal that comes while a worker is still starting (importing torch, before its handlers) is ignored by it,
+# or kills it and torchrun starts it again to train on: the first signal is also written here, where workers look.
 STOP_DIR=$(mktemp -d "${TMPDIR:-/tmp}/deeplab-stop.XXXXXX") \
   || fail "TMPDIR=${TMPDIR:-/tmp} cannot be written: set TMPDIR to a folder of this machine that can"
 export DEEPLAB_STOP_FILE="$STOP_DIR/signal"
 WATCHER=
 trap 'rm -rf "$STOP_DIR"; [ -z "$WATCHER" ] || kill "$WATCHER" 2>/dev/null || true' EXIT
-# SIGUSR1 and SIGUSR2 ignored by torchrun (their default would kill it): a scheduler that sends one to every process
-# of the job leaves it to run.sh and the workers.
+# SIGUSR1 and SIGUSR2 ignored by torchrun (their default would kill it), and SIGTERM (torchrun's agent would turn it
+# into an exception: it stops the workers, kills them 30 s later, and exits 1 with a traceback, saved or not): a
+# scheduler that sends one to every process of the job (Slurm's --signal) leaves it to run.sh and the workers,
+# which save and exit 0, and torchrun with them. It stops at once on SIGINT (below).
+# (The workers inherit SIGTERM ignored: each takes it back as it starts, recovery.py.) torchrun's own handlers are
+# those PET_SIGNALS_TO_HANDLE names, the variable of its --signals-to-handle: an older torchrun, which has no such
+# option, passes over the variable and keeps its SIGTERM handler (the workers still save; torchrun exits 1).
 trap '' USR1 USR2
 # torchrun starts the workers with $PYTHON_EXEC where it is set, else with its own interpreter: without it, the
 # workers run on the same $PYTHON as the check above, whatever an environment left in PYTHON_EXEC.
 unset PYTHON_EXEC
-setsid "$PYTHON" -m torch.distributed.run "${LAUNCH[@]}" --nproc_per_node "$NPROC" \
-  --max-restarts "$MAX_RESTARTS" "${MAIN[@]}" &
+( trap '' TERM
+  PET_SIGNALS_TO_HANDLE=SIGINT,SIGHUP,SIGQUIT exec setsid "$PYTHON" -m torch.distributed.run "${LAUNCH[@]}" \
+    --nproc_per_node "$NPROC" --max-restarts "$MAX_RESTARTS" "${MAIN[@]}" ) &
 LAUNCHER=$!
 if [ "$NNODES" -gt 1 ]; then
   # Waiting for the other nodes says so, once after a few seconds and then every minute: how many have joined
@@ -211,9 +233,15 @@ forward() {
     pkill "-$as" -P "$LAUNCHER" || true
     say "run.sh: got SIG$1: the workers save a checkpoint at the end of this step and stop (again to stop at once)"
   else
-    # A second signal; or no worker running (torchrun waits for the other nodes, or between restarts).
+    # A second signal; or no worker running (torchrun waits for the other nodes, or between restarts). torchrun
+    # stops its workers on SIGINT; before it has any, it has no handler, and SIGINT may be ignored (a run.sh started
+    # in the background of a script): nothing runs that could save, and SIGKILL ends it.
     { echo "$1" > "$DEEPLAB_STOP_FILE"; } 2>/dev/null || true
-    kill -TERM "$LAUNCHER" 2>/dev/null || true
+    if pgrep -P "$LAUNCHER" >/dev/null; then
+      kill -INT "$LAUNCHER" 2>/dev/null || true
+    else
+      kill -KILL "$LAUNCHER" 2>/dev/null || true
+    fi
     [ "$SIGNALS" -gt 1 ] || say "run.sh: got SIG$1 while no worker ran: stopping torchrun; what was saved stays"
   fi
 }
@@ -223,4 +251,8 @@ while :; do
   STATUS=0; wait "$LAUNCHER" || STATUS=$?   # (not a bare wait: set -e would end run.sh here)
   kill -0 "$LAUNCHER" 2>/dev/null || break   # wait returns early when a signal arrives
 done
+# torchrun exits 0 when every worker did; after a stop, a worker exits 0 only once its part is saved (rank 0's
+# checkpoint written) or when it had nothing to save (stopped before it began). So this node's share of the run is
+# on disk: STOP_STATUS says so to a scheduler's script (docs/cityscapes.md's requeues the job on it).
+[ "$STATUS" -ne 0 ] || [ "$SIGNALS" -eq 0 ] || exit "$STOP_STATUS"
 exit "$STATUS"

@@ -55,7 +55,7 @@ class Guard:
     args: object = None                 # the program's flags, for the line about a mistake or running out of memory
     output_dir: str | None = None       # main.py's --output-dir, where a mistake is recorded for the peers (else none)
     started: float = field(default_factory=time.time)
-    heartbeat: tuple | None = None      # (thread, the event that stops it): recovery.start_heartbeat
+    heartbeat: tuple | None = None      # (thread, the event that stops it, its group): recovery.start_heartbeat
     waiting_since: float | None = None  # when this rank began to wait for the process group to form
 
 

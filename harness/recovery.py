@@ -15,12 +15,14 @@ progress and writes files. This module's state is job.RUN.guard.
 import functools
 import json
 import os
+import signal
+import socket
 import sys
 import tempfile
 import threading
 import time
 import traceback
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from datetime import timedelta
 
 import torch
@@ -104,6 +106,9 @@ def _begin(program, args):
     RUN.guard = job.Guard(program=program, args=args,
                           output_dir=getattr(args, "output_dir", None) if program == "main.py" else None)
     job.read_environment(program)
+    if job.env().under_run_sh and signal.getsignal(signal.SIGTERM) == signal.SIG_IGN:
+        # run.sh starts torchrun with SIGTERM ignored, and its workers inherit that: from here it is theirs again.
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
     _exit_or_clear_stop_record()
     # A training run's signals finish the step and save; -e's, the preflight's and predict.py's end it at once.
     stops.install(training=program == "main.py" and not (args.evaluate or args.check_only))
@@ -308,14 +313,18 @@ HEARTBEAT_S = 2.0
 def start_heartbeat(minutes, after_s=5.0, every_s=60.0):
     """Before init_process_group, on every rank: a thread that, while the process group forms, says after after_s
     seconds and then every every_s what this process waits for, where, and when it gives up (rank 0 and each node's
-    first process); and once the group exists writes (time, steps done) of this rank into the store it met at,
-    every HEARTBEAT_S: a rank that is stopped, killed or cut off falls silent, one stuck in its own work falls
-    behind. When a collective fails, describe_peers() reads this to name the rank. stop_heartbeat() ends it."""
+    first process); and once the group exists writes, every HEARTBEAT_S, (its process, the time, steps done) into a
+    file of its own in a folder every rank of this node reads (_peers_folder), and into the store the group met at
+    while some rank has no file here (another node). A rank's process is then known dead or stopped by the peers of
+    its node whatever became of the store (run.sh's ranks meet at a store that rank 0's process serves); from
+    another node, a rank that is stopped, killed or cut off falls silent, one stuck in its own work falls behind.
+    When a collective fails, describe_peers() reads these to name the rank. stop_heartbeat() ends it."""
     env, stopping, since = job.env(), threading.Event(), time.time()
     gives_up = time.strftime("%H:%M:%S", time.localtime(since + minutes * 60))
     RUN.guard.waiting_since = since
+    beat = {"group": None}  # this process group's name in the files' names, which the ranks agree on in its store
 
-    def beat():
+    def run():
         say_at = since + after_s
         while not dist.is_initialized():
             if stopping.wait(0.2):
@@ -325,28 +334,120 @@ def start_heartbeat(minutes, after_s=5.0, every_s=60.0):
                       f"{env.world_size} processes to meet at {env.master} (the process group); it gives up at "
                       f"{gives_up} (--dist-timeout {minutes:g} min)", file=sys.stderr, flush=True)
                 say_at += every_s
+        rank, world_size = get_rank(), get_world_size()
         try:
-            store, key = _group_store(), _heartbeat_key(get_rank())
+            store = _group_store()
+            beat["group"] = _agree_on_a_name(store)
         except Exception:  # the store is gone already: the job is ending
             return
         while not stopping.is_set() and dist.is_initialized():
-            try:
-                store.set(key, f"{time.time()} {stops.steps_done()}")
-            except Exception:  # the store is gone: the job is ending
-                return
+            _write_beat(beat["group"], rank)
+            if store is not None and len(_read_beats(beat["group"])) < world_size:  # for a rank of another node
+                try:
+                    store.set(_heartbeat_key(rank), f"{time.time()} {stops.steps_done()}")
+                except Exception:  # the store is gone (rank 0 with it?): the files go on
+                    store = None
             stopping.wait(HEARTBEAT_S)
+        if stopping.is_set():  # a run that ends as it should takes its file away (a killed one's: _agree_on_a_name)
+            with suppress(OSError):
+                os.remove(os.path.join(_peers_folder(), f"{beat['group']}.{rank}"))
 
-    thread = threading.Thread(target=beat, daemon=True, name="peers")
+    thread = threading.Thread(target=run, daemon=True, name="peers")
     thread.start()
-    RUN.guard.heartbeat = (thread, stopping)
+    RUN.guard.heartbeat = (thread, stopping, beat)
 
 
 def stop_heartbeat():
     if RUN.guard.heartbeat is not None:
-        thread, stopping = RUN.guard.heartbeat
+        thread, stopping, _ = RUN.guard.heartbeat
         stopping.set()
         thread.join(timeout=10)
         RUN.guard.heartbeat = None
+
+
+def _peers_folder():
+    """Where the ranks of this node write their heartbeats: run.sh's own folder for this run (it removes it when it
+    ends), else one of this user's in the machine's temporary folder."""
+    if job.env().stop_file:
+        return os.path.dirname(job.env().stop_file)
+    return os.path.join(tempfile.gettempdir(), f"deeplab-peers-{os.getuid()}")
+
+
+def _agree_on_a_name(store):
+    """A name for this process group's heartbeat files, new for each group, which every rank reads from its store:
+    files an earlier run left in the folder (a rank killed there) are never taken for this one's. Those whose
+    process is gone are removed."""
+    key = f"deeplab/heartbeat/{job.env().restarts}/name"
+    if get_rank() == 0:
+        store.set(key, f"{os.getpid()}-{time.time_ns()}")
+        _remove_files_of_the_gone()
+    store.wait([key], timedelta(seconds=60))
+    return store.get(key).decode()
+
+
+def _write_beat(group, rank):
+    """This rank's heartbeat file, written whole (replaced): its process, host, the time, steps done."""
+    folder = _peers_folder()
+    path = os.path.join(folder, f"{group}.{rank}")
+    try:
+        os.makedirs(folder, mode=0o700, exist_ok=True)
+        with open(f"{path}.tmp", "w") as f:
+            f.write(f"{os.getpid()} {socket.gethostname()} {time.time()} {stops.steps_done()}")
+        os.replace(f"{path}.tmp", path)
+    except OSError:  # nowhere to write it: the store alone tells of this rank
+        pass
+
+
+def _read_beats(group):
+    """{rank: (process id, seconds since its last beat, steps done)} of the ranks of this group on this node."""
+    beats, here, now = {}, socket.gethostname(), time.time()
+    try:
+        names = [name for name in os.listdir(_peers_folder()) if name.split(".")[:-1] == [group]]  # (not .tmp)
+    except OSError:
+        return beats
+    for name in names:
+        try:
+            with open(os.path.join(_peers_folder(), name)) as f:
+                pid, host, stamp, steps = f.read().split()
+            if host == here:
+                beats[int(name.split(".")[1])] = (int(pid), now - float(stamp), int(steps))
+        except (OSError, ValueError):
+            pass  # replaced meanwhile
+    return beats
+
+
+def _process_state(pid):
+    """What a peer's process is: "gone" (no such process, or one that has ended and waits for its parent to reap
+    it), "stopped" (SIGSTOP, a debugger), or "running"."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        try:
+            os.kill(pid, 0)  # (no /proc: a process that is there answers)
+        except ProcessLookupError:
+            return "gone"
+        except OSError:
+            pass
+        return "running"
+    return "gone" if state in ("Z", "X") else "stopped" if state in ("T", "t") else "running"
+
+
+def _remove_files_of_the_gone():
+    """Heartbeat files of this machine whose process is gone: what killed ranks of earlier runs left."""
+    folder, here = _peers_folder(), socket.gethostname()
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return
+    for name in names:
+        try:
+            with open(os.path.join(folder, name)) as f:
+                pid, host = f.read().split()[:2]
+            if host == here and _process_state(int(pid)) == "gone":
+                os.remove(os.path.join(folder, name))
+        except (OSError, ValueError):
+            pass  # not a heartbeat file (run.sh's stop file), or gone already
 
 
 def _group_store(timeout_s=5.0):
@@ -378,32 +479,60 @@ def _did_not_meet(error):
 
 
 def describe_peers():
-    """Which rank a failed collective lost, from the heartbeats in the group's store: one line."""
-    try:
-        store = _group_store()
-    except Exception:
-        return "no heartbeat to tell which rank"
-    now, beats, world_size = time.time(), {}, get_world_size()
-    for rank in range(world_size):
+    """Which rank a failed collective lost: one line. The ranks of this node from their files, as their processes
+    are (gone, stopped, running); the others from their beats in the group's store, as far as it answers."""
+    now, world_size = time.time(), get_world_size()
+    group = RUN.guard.heartbeat[2]["group"] if RUN.guard.heartbeat else None
+    here = _read_beats(group) if group else {}
+    states = {}
+    for _ in range(10):  # a killed peer's sockets close before its process has ended: give that a second
+        states = {rank: "running" if rank == get_rank() else _process_state(beat[0]) for rank, beat in here.items()}
+        if set(states.values()) != {"running"}:
+            break
+        time.sleep(0.1)
+    gone, stopped, silent, steps = [], {}, {}, {}
+    for rank, (_, age, step) in here.items():
+        state = states[rank]
+        if state == "gone":
+            gone.append(rank)
+        elif state == "stopped":
+            stopped[rank] = age
+        elif age > 3 * HEARTBEAT_S:
+            silent[rank] = age
+        steps[rank] = step
+    others, unanswered = [r for r in range(world_size) if r not in here], False
+    if others:
         try:
-            if store.check([_heartbeat_key(rank)]):
-                stamp, step = store.get(_heartbeat_key(rank)).decode().split()
-                beats[rank] = (now - float(stamp), int(step))
+            store = _group_store()
         except Exception:
-            pass
-    silent = {r: age for r, (age, _) in beats.items() if age > 3 * HEARTBEAT_S}
-    missing = [r for r in range(world_size) if r not in beats]
-    if silent or missing:
-        parts = [f"rank {r} silent for {age:.0f} s" for r, age in sorted(silent.items())]
-        parts += [f"rank {r} never reported" for r in missing]
-        return ", ".join(parts) + " (stopped, killed, or cut off)"
-    steps = {r: step for r, (_, step) in beats.items()}
+            store, unanswered = None, True
+        for rank in others if store is not None else []:
+            try:
+                if store.check([_heartbeat_key(rank)]):
+                    stamp, step = store.get(_heartbeat_key(rank)).decode().split()
+                    steps[rank] = int(step)
+                    if now - float(stamp) > 3 * HEARTBEAT_S:
+                        silent[rank] = now - float(stamp)
+            except Exception:
+                pass
+    parts = [f"rank {r}'s process is gone (killed, or it failed: its own lines say which)" for r in sorted(gone)]
+    parts += [f"rank {r} silent for {age:.0f} s (its process is stopped: SIGSTOP, or a debugger)"
+              for r, age in sorted(stopped.items())]
+    parts += [f"rank {r} silent for {age:.0f} s (" + ("alive, but hung" if r in here else "stopped, killed, or cut off")
+              + ")" for r, age in sorted(silent.items())]
+    if unanswered:  # rank 0's process serves the store (or torchrun on its node): gone, unless it is seen here
+        blame = "" if 0 in here else ": rank 0 is gone, or its node cut off"
+        parts.append(f"rank(s) {others} not heard from (the process group's store at {job.env().master}, which rank "
+                     f"0 or torchrun on its node serves, does not answer{blame})")
+    else:
+        parts += [f"rank {r} never reported" for r in others if r not in steps]
+    if parts:
+        return ", ".join(parts)
     if len(set(steps.values())) > 1:
         low = min(steps.values())
         behind = [r for r, step in steps.items() if step == low]
         return f"rank(s) {behind} behind at step {low}, others at {max(steps.values())} (stuck in their own work)"
     return "every rank alive and at the same step: a rank is stuck inside a collective, or the network failed"
-
 
 
 # --- run.sh's wait for the other nodes ------------------------------------------------------------------

@@ -169,3 +169,38 @@ def test_run_sh_keeps_the_recipes_global_batch_on_1_to_8_gpus(gpus, per_gpu, acc
     check, launch = log.read_text().splitlines()
     assert f"--check-only {gpus}" in check and f"--nproc_per_node {gpus} " in launch, (check, launch)
     assert f"-b {per_gpu} --accum-steps {accum_steps}" in launch and per_gpu * gpus * accum_steps == 16, launch
+
+
+def test_run_sh_says_in_python_s_words_why_it_cannot_count_the_gpus(tiny_data, tmp_path):
+    """Python that fails before it imports torch (PYTHONHASHSEED=abc ends it as it starts) is named with what Python
+    said, not taken for a missing PyTorch; a Python without torch is told to install it, or to name the one that has
+    it. Each advice followed, run.sh goes on to main.py's check. A launch: run.sh's own lines are the point."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DATA": tiny_data, "OUTPUT_DIR": str(tmp_path / "out")}
+    env.pop("CUDA_VISIBLE_DEVICES", None)  # not hidden: run.sh counts the GPUs with Python
+
+    def run_sh(**variables):
+        result = subprocess.run(["./run.sh", "--epochs", "0"], cwd=ROOT, env={**env, **variables},
+                                capture_output=True, text=True, timeout=120)
+        lines = (result.stdout + result.stderr).strip().splitlines()
+        assert result.returncode == 1 and len(lines) == 1, lines
+        return lines[0]
+    line = run_sh(PYTHONHASHSEED="abc")
+    assert line.startswith(f'run.sh: error: PYTHON={PY} cannot count the GPUs (python -c "import torch; '
+                           'print(torch.cuda.device_count())"): Fatal Python error: ') and "PYTHONHASHSEED" in line, line
+    assert "PyTorch" not in line, line
+    assert run_sh(PYTHONHASHSEED="0") == "main.py: error: --epochs: 0 must be at least 1"  # what Python asked
+    bare = tmp_path / "python"  # a Python without site-packages: no torch there
+    bare.write_text(f'#!/bin/bash\nexec {PY} -I -S "$@"\n')
+    bare.chmod(0o755)
+    assert run_sh(PYTHON=str(bare)) == (
+        f"run.sh: error: PYTHON={bare} has no PyTorch (ModuleNotFoundError: No module named 'torch'): pip install -r "
+        f"{ROOT}/requirements.txt with it, or set PYTHON to the Python that has it")
+    assert run_sh(PYTHON=PY) == "main.py: error: --epochs: 0 must be at least 1"
+
+
+def test_run_sh_refuses_a_stop_status_that_is_no_exit_status(tmp_path):
+    env = {**os.environ, "STOP_STATUS": "256", "CUDA_VISIBLE_DEVICES": "", "DATA": str(tmp_path / "data"),
+           "OUTPUT_DIR": str(tmp_path / "out")}  # (a run.sh that did not check it would stop at the empty DATA)
+    result = subprocess.run(["./run.sh"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert (result.stdout + result.stderr).strip() == "run.sh: error: STOP_STATUS=256: an exit status is at most 255"

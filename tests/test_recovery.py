@@ -239,6 +239,7 @@ def test_bad_checkpoints_get_one_clear_line_and_auto_falls_back(data24, straight
     checkpoint = torch.load(tmp_path / "good.pth", weights_only=True)  # as if trained on 21 classes
     checkpoint["model"]["classifier.weight"] = torch.zeros(21, 256, 1, 1)
     checkpoint["args"].pop("model")
+    checkpoint.pop("classes")  # (names for 19 beside a classifier of 21 would be refused as such, before the fit)
     torch.save(checkpoint, tmp_path / "other.pth")
     result = _fails_in_process(common + ["-e", "--resume", str(tmp_path / "other.pth")], capfd)
     assert "does not fit" in result and "classifier.weight (21, 256, 1, 1) vs (19, 256, 1, 1)" in result
@@ -612,3 +613,21 @@ def test_the_rendezvous_state_run_sh_s_wait_reads_is_still_torch_s():
     assert state is not None, "torch.distributed.elastic.rendezvous.dynamic_rendezvous._RendezvousState is gone"
     fields = set(vars(state()))
     assert {"complete", "participants"} <= fields, f"_RendezvousState has no complete or participants: {fields}"
+
+
+@pytest.mark.parametrize("killed", [0, 1])
+def test_a_killed_rank_is_named_gone_by_the_rank_that_outlives_it(killed, data24, tmp_path):
+    """SIGKILL to one worker of run.sh's two mid-epoch, no restart allowed: the other names it as gone, rank 0 too,
+    whose process serves the store the ranks met at (run.sh's), not as alive or stuck. A launch: run.sh's torchrun
+    and its store are the point."""
+    out = str(tmp_path / "out")
+    process = _start(["./run.sh", "--epochs", "3", "--dist-timeout", "0.15", *SLOW_ARGS],
+                     _env(data24, out, MAX_RESTARTS="0"))
+    _wait_for(process, "epoch 0 step 2/6")
+    os.kill(sorted(_workers(out))[killed], signal.SIGKILL)  # torchrun starts local rank 0 first
+    log = process.communicate(timeout=120)[0]
+    errors = [line for line in log.splitlines() if line.startswith("main.py: error:")]
+    assert process.returncode != 0 and len(errors) == 1, log
+    assert errors[0].startswith(f"main.py: error: rank {1 - killed}: a collective failed"), errors[0]
+    assert f"rank {killed}'s process is gone (killed, or it failed" in errors[0], errors[0]
+    assert "alive" not in errors[0] and "never reported" not in errors[0], errors[0]

@@ -209,3 +209,87 @@ def test_waits_for_other_nodes_and_processes_say_what_they_wait_for(tiny_data, t
             if process.poll() is None:
                 os.killpg(process.pid, signal.SIGKILL)
             process.communicate()
+
+
+def _descendants(pid):
+    """Every process started under pid, in whatever session (run.sh's torchrun and its workers have their own): what
+    Slurm counts as a job step's processes."""
+    children = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                parent = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(parent, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def test_the_slurm_script_saves_at_the_time_limit_requeues_itself_and_goes_on(data24, tmp_path):
+    """docs/cityscapes.md's sbatch script, run as Slurm runs it on one node, with stand-ins for srun (it runs its
+    command) and scontrol (it records what it is asked): SIGTERM to every process of the job step mid-epoch, as
+    --signal=TERM@120 sends it, saves and exits 0 in every worker and in torchrun, without a traceback; run.sh
+    exits STOP_STATUS and the script requeues the job; the requeued job carries on and finishes, and requeues
+    nothing. A launch: run.sh, torchrun and the signal are the point."""
+    from conftest import SLOW_ARGS
+    with open(os.path.join(ROOT, "docs", "cityscapes.md")) as f:
+        script = next(block for block in f.read().split("```bash\n")[1:] if block.startswith("#!/bin/bash\n#SBATCH"))
+    script, out = script.split("```", 1)[0], str(tmp_path / "out")
+    for line, ours in [("cd /path/to/this/repo", f"cd {ROOT}"),
+                       ("export DATA=/shared/cityscapes OUTPUT_DIR=/shared/runs/r101",
+                        f"export DATA={data24} OUTPUT_DIR={out}"),
+                       ("  --amp --pretrained-backbone /shared/weights/resnet101-63fe2227.pth",
+                        "  --epochs 1 " + " ".join(SLOW_ARGS))]:
+        assert line in script, f"docs/cityscapes.md's Slurm script has no line {line!r}: change this test with it"
+        script = script.replace(line, ours)
+    (tmp_path / "job.sh").write_text(script)
+    stand_ins, asked = tmp_path / "bin", tmp_path / "scontrol.log"
+    stand_ins.mkdir()
+    (stand_ins / "srun").write_text('#!/bin/bash\nexport SLURM_NODEID=0\nexec "$@"\n')  # one node: task 0 there
+    (stand_ins / "scontrol").write_text(f'#!/bin/bash\nif [ "$1" = show ]; then echo 127.0.0.1; '
+                                        f'else echo "$*" >> {asked}; fi\n')
+    for name in ("srun", "scontrol"):
+        (stand_ins / name).chmod(0o755)
+    env = {**CPU_ENV, "PATH": f"{stand_ins}{os.pathsep}{os.environ['PATH']}", "SLURM_JOB_ID": "4242",
+           "SLURM_NNODES": "1", "SLURM_JOB_NODELIST": "localhost"}
+    job = _start_in_its_own_group(["bash", str(tmp_path / "job.sh")], env, cwd=str(tmp_path))
+    seen = []
+    for line in job.stdout:
+        seen.append(line)
+        if "epoch 0 step 2/" in line:
+            break
+    for pid in _descendants(job.pid):  # the step, not the batch script: Slurm's --signal without B:
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    output = "".join(seen) + job.communicate(timeout=120)[0]
+    assert job.returncode == 75 and "Traceback" not in output, output
+    assert "stopped by signal 15 at epoch 0 step" in output, output
+    assert asked.read_text() == "requeue 4242\n", output
+    step = checkpoints.read("--resume", os.path.join(out, "checkpoint.pth"))["step"]
+    assert 2 <= step < 6, step
+
+    job = _start_in_its_own_group(["bash", str(tmp_path / "job.sh")], env, cwd=str(tmp_path))  # the requeued job
+    output = job.communicate(timeout=180)[0]
+    assert job.returncode == 0 and f"epoch 0 step {step + 1}/6" in output and "done: best mIoU" in output, output
+    assert asked.read_text() == "requeue 4242\n", output  # finished: not requeued again
+
+
+def test_a_run_under_run_sh_takes_back_the_sigterm_its_torchrun_leaves_ignored(tiny_data, tmp_path, monkeypatch):
+    """run.sh starts torchrun with SIGTERM ignored, and the workers inherit that: a program of run.sh's takes SIGTERM
+    back as it starts, so that -e, the preflight and ranks still meeting end on it as anywhere else (training saves
+    on it: its handler is installed after). In-process: the signal's disposition is the point."""
+    monkeypatch.setenv("DEEPLAB_RUN_SH", "1")
+    before = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        _train(["--data", tiny_data, "--output-dir", str(tmp_path / "out"), *TRAIN_ARGS, "--check-only", "1"])
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+    finally:
+        signal.signal(signal.SIGTERM, before)
+        job.RUN.env = job.Environment()  # (the next test's run reads its own)
