@@ -376,7 +376,7 @@ def _no_key_twice(pairs):
     keys = [key for key, _ in pairs]
     twice = sorted({key for key in keys if keys.count(key) > 1})
     if twice:
-        raise BadInput(f"{', '.join(map(repr, twice))} given more than once (JSON readers keep only the last): keep "
+        raise BadInput(f"{', '.join(map(repr, twice))} given more than once (Python's json keeps only the last): keep "
                        "one")
     return dict(pairs)
 

@@ -13,6 +13,7 @@ import glob
 import hashlib
 import os
 import secrets
+import struct
 
 import numpy as np
 from PIL import Image, ImageOps
@@ -121,6 +122,7 @@ def decode_label(path):
             raise ValueError(f"a {header[24]}-bit greyscale PNG, whose values PIL would scale to 0-255; save it as "
                              "8-bit")
         if _torchcodec_decode is not None and header[:8] == _PNG_SIGNATURE and header[24:26] == b"\x08\x00":
+            _check_size(path, *struct.unpack(">II", header[16:24]))  # IHDR's width and height, before decoding
             return _torchcodec_decode(path, mode="UNCHANGED")[0].numpy()
         with Image.open(path) as f:
             _check_size(path, *f.size)

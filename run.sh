@@ -222,9 +222,10 @@ SIGNALS=0
 forward() {
   SIGNALS=$(( SIGNALS + 1 ))
   # SIGHUP (the terminal closed) goes on as SIGHUP: the workers then print nowhere, not into the closed terminal.
-  # Every other stop goes on as SIGTERM, also a Ctrl-C: a worker still starting (importing torch, before its
-  # handlers) ends quietly, where SIGINT would print a KeyboardInterrupt traceback; a restarted one reads the stop
-  # file and ends at once. Once training, the workers take each of them alike: they save, and stop.
+  # Every other stop goes on as SIGTERM, also a Ctrl-C: a worker still starting (importing torch) has SIGTERM
+  # ignored, as torchrun passed it on, and once started finds the stop file and ends with exit 0, where SIGINT would
+  # print a KeyboardInterrupt traceback; a restarted one does the same. Once training, the workers take each signal
+  # alike: they save, and stop.
   local as=TERM
   [ "$1" != HUP ] || as=HUP
   # The signal is passed on first, then said: saying it may fail (a closed terminal, a pipe whose reader is gone).
@@ -234,8 +235,9 @@ forward() {
     say "run.sh: got SIG$1: the workers save a checkpoint at the end of this step and stop (again to stop at once)"
   else
     # A second signal; or no worker running (torchrun waits for the other nodes, or between restarts). torchrun
-    # stops its workers on SIGINT; before it has any, it has no handler, and SIGINT may be ignored (a run.sh started
-    # in the background of a script): nothing runs that could save, and SIGKILL ends it.
+    # stops its workers on SIGINT; with none, nothing runs that could save, and SIGKILL ends it at once, without
+    # Python's KeyboardInterrupt traceback (and also where SIGINT is ignored: a run.sh started in a script's
+    # background).
     { echo "$1" > "$DEEPLAB_STOP_FILE"; } 2>/dev/null || true
     if pgrep -P "$LAUNCHER" >/dev/null; then
       kill -INT "$LAUNCHER" 2>/dev/null || true
@@ -251,8 +253,10 @@ while :; do
   STATUS=0; wait "$LAUNCHER" || STATUS=$?   # (not a bare wait: set -e would end run.sh here)
   kill -0 "$LAUNCHER" 2>/dev/null || break   # wait returns early when a signal arrives
 done
-# torchrun exits 0 when every worker did; after a stop, a worker exits 0 only once its part is saved (rank 0's
-# checkpoint written) or when it had nothing to save (stopped before it began). So this node's share of the run is
-# on disk: STOP_STATUS says so to a scheduler's script (docs/cityscapes.md's requeues the job on it).
+# torchrun exits 0 when every worker of its last attempt did; after a stop, a worker exits 0 once its part is saved
+# (rank 0's checkpoint written) or when it had nothing to save (stopped before it began). STOP_STATUS says so to a
+# scheduler's script (docs/cityscapes.md's requeues the job on it). Not told apart: a worker that failed after the
+# stop without saving, restarted by torchrun into an attempt that ends at once; the run then goes on from its last
+# checkpoint, an epoch's end or an earlier stop's.
 [ "$STATUS" -ne 0 ] || [ "$SIGNALS" -eq 0 ] || exit "$STOP_STATUS"
 exit "$STATUS"

@@ -572,7 +572,9 @@ def keeping_previous(save):
         keep = paths.temporary_name(previous_path(path))  # a second name for the old file, until the new is whole
         try:
             if os.path.isfile(path):
-                paths.second_name(path, keep)
+                # The file itself, where checkpoint.pth is a link to it: the link as *.prev.pth would lead to
+                # nothing once checkpoint.pth is a file, or to itself (a link to checkpoint.prev.pth).
+                paths.second_name(os.path.realpath(path), keep)
             save(stamped(state), path)  # with this version's format number, which the lesson does not write
             if os.path.lexists(keep):
                 os.replace(keep, previous_path(path))

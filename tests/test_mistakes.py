@@ -1529,3 +1529,19 @@ def test_val_images_that_are_also_training_images_are_said_before_training(tiny_
     assert (f"warning: 2 of the 7 val images of --data {data} are also training images, byte for byte (e.g. "
             f"{data}/leftImg8bit/val/copied/copied_000000_000000_leftImg8bit.png and {trains[0]})") in said, said
     assert said.index("are also training images") < said.index("training deeplabv3plus")  # before any step
+
+
+def test_a_save_over_a_checkpoint_pth_that_links_to_checkpoint_prev_keeps_the_file_it_led_to(tmp_path):
+    """checkpoint.pth a symbolic link to checkpoint.prev.pth: the save keeps the file itself as the previous one
+    (a second name of the link would have replaced it with a link to itself, and the old checkpoint was gone)."""
+    def save(state, path):  # main.py's way: a temporary file renamed over the checkpoint
+        with open(path + ".tmp", "wb") as f:
+            torch.save(state, f)
+        os.replace(path + ".tmp", path)
+    path, prev = str(tmp_path / "checkpoint.pth"), str(tmp_path / "checkpoint.prev.pth")
+    torch.save({"epoch": 1}, prev)
+    os.symlink("checkpoint.prev.pth", path)
+    checkpoints.keeping_previous(save)({"epoch": 2}, path)
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint.prev.pth", "checkpoint.pth"]
+    assert not os.path.islink(path) and not os.path.islink(prev)
+    assert torch.load(prev)["epoch"] == 1 and torch.load(path)["epoch"] == 2

@@ -128,7 +128,7 @@ def _break(root, how):
     ('{"names": ["a", "b"], "ignore_index": 1}', '"ignore_index" 1 must be a whole number from 2 to 255'),
     ('{"names": ["a", "b"], "ignore_index": 254.5}', '"ignore_index" 254.5 must be a whole number from 2 to 255'),
     ('{"names": ["a", "b"], "colors": [[0, 0, 0], [1, 1, 1]], "names": ["c", "d", "e"]}',
-     "{root}/classes.json: 'names' given more than once (JSON readers keep only the last): keep one"),
+     "{root}/classes.json: 'names' given more than once (Python's json keeps only the last): keep one"),
     ('{"names": ["a", "b"], "colors": [[0, 0, 0]]}', '"colors" must hold one [r, g, b] of 0-255 for each of the 2'),
     ('{"names": ["a", "b"], "colours": []}', "holds ['colours'], not only names, colors and ignore_index"),
 ])
@@ -353,17 +353,19 @@ def test_an_image_of_any_size_up_to_the_limit_reads_without_a_warning_and_a_larg
     import warnings
     import zlib
 
-    def header_only_png(path, width, height):
+    def header_only_png(path, width, height, colour_type=2):  # 2: RGB; 0: 8-bit grey, a Cityscapes label's kind
         def chunk(kind, data):
             return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
-        path.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
-                         + chunk(b"IEND", b""))
+        ihdr = struct.pack(">IIBBBBB", width, height, 8, colour_type, 0, 0, 0)
+        path.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IEND", b""))
         return str(path)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # PIL's DecompressionBombWarning would fail this
         assert images.seen_size(header_only_png(tmp_path / "aerial.png", 14000, 14000)) == (14000, 14000, False)
         huge = header_only_png(tmp_path / "huge.png", 20000, 20000)
-        for read in (images.read_image, images.seen_size, images.decode_label):
-            with pytest.raises(images.BadInput, match=r"huge.png is 20000 x 20000 pixels, more than the 268,435,456 "
+        grey = header_only_png(tmp_path / "huge_grey.png", 20000, 20000, colour_type=0)  # torchcodec's, for labels
+        for read, path in [(images.read_image, huge), (images.seen_size, huge), (images.decode_label, huge),
+                           (images.decode_label, grey)]:
+            with pytest.raises(images.BadInput, match=r".png is 20000 x 20000 pixels, more than the 268,435,456 "
                                                       r"this program reads \(16384 x 16384\): cut it into tiles"):
-                read(huge)
+                read(path)
