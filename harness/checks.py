@@ -38,6 +38,9 @@ class Range(NamedTuple):
 
 
 WEEK_MINUTES = 7 * 24 * 60  # --dist-timeout at most a week: longer is a typo, and timedelta's arithmetic overflows
+# ... and at least 6 s: a shorter one fails the healthy collectives of a slow machine (forming the group, the first
+# broadcast of the weights), and the line then blames a lost peer for what the flag did.
+SHORTEST_TIMEOUT_MINUTES = 0.1
 
 # main.py's number flags: {dest: (the flag as --help names it, its range)}. The numbers of --eval-* are inference.py's.
 MAIN = {
@@ -48,7 +51,7 @@ MAIN = {
     "lr": ("--lr", Range(0, low_open=True)), "backbone_lr": ("--backbone-lr", Range(0)),
     "momentum": ("--momentum", Range(0, 1, high_open=True)),  # a momentum of 1 never forgets, above 1 diverges
     "weight_decay": ("--wd/--weight-decay", Range(0)), "print_freq": ("-p/--print-freq", Range(1)),
-    "seed": ("--seed", Range(0)), "dist_timeout": ("--dist-timeout", Range(0, WEEK_MINUTES, low_open=True)),
+    "seed": ("--seed", Range(0)), "dist_timeout": ("--dist-timeout", Range(SHORTEST_TIMEOUT_MINUTES, WEEK_MINUTES)),
     "check_only": ("--check-only", Range(1)), "local_rank": ("--local-rank", Range(0)),
     "eval_scales": ("--eval-scales", Range(0, low_open=True)), "eval_crop": ("--eval-crop", Range(8)),
     "eval_stride": ("--eval-stride", Range(1)),

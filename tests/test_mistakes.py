@@ -75,10 +75,11 @@ def on_the_cpu(monkeypatch):
     (["--seed", "-1"], "--seed: -1 must be at least 0"),
     (["--start-epoch", "-1"], "--start-epoch: -1 must be at least 0"),
     (["--epochs", "0"], "--epochs: 0 must be at least 1"),
-    (["--dist-timeout", "0"], "--dist-timeout: 0 must be above 0"),
-    (["--dist-timeout", "nan"], "--dist-timeout: nan must be above 0"),
-    (["--dist-timeout", "-5"], "--dist-timeout: -5 must be above 0"),
-    (["--dist-timeout", "1e300"], "--dist-timeout: 1e+300 must be above 0 and at most 10080"),
+    (["--dist-timeout", "0"], "--dist-timeout: 0 must be at least 0.1 and at most 10080"),
+    (["--dist-timeout", "1e-9"], "--dist-timeout: 1e-09 must be at least 0.1 and at most 10080"),
+    (["--dist-timeout", "nan"], "--dist-timeout: nan must be at least 0.1 and at most 10080"),
+    (["--dist-timeout", "-5"], "--dist-timeout: -5 must be at least 0.1 and at most 10080"),
+    (["--dist-timeout", "1e300"], "--dist-timeout: 1e+300 must be at least 0.1 and at most 10080"),
     (["--seed", str(2**64)], f"--seed {2**64} with --epochs 162: the sampler's seed of the last epoch (--seed + epoch) "
                              "would pass 2**64 - 1, the most torch's generators take; give a --seed of at most "
                              f"{2**64 - 162}"),
