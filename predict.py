@@ -43,6 +43,9 @@ from harness.errors import fail, first_line
 from images import read_image
 
 EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".tif", ".tiff")
+# Pictures of other kinds a folder may hold: skipped there, and said (a GIF's first frame alone is a prediction of
+# part of it); a file named by itself is read whatever it is.
+SKIPPED_KINDS = (".gif", ".apng", ".ppm", ".pgm", ".pbm", ".heic", ".heif", ".avif", ".jp2", ".svg")
 KINDS = ("color", "overlay", "label")
 
 
@@ -84,7 +87,7 @@ def find_images(inputs, output_dir):
         real = os.path.realpath(path)
         return real == output_dir or real.startswith(output_dir + os.sep)
 
-    files, roots = {}, []
+    files, roots, skipped = {}, [], []
     for text in inputs:
         named = os.path.exists(text)
         matches = [text] if named else sorted(glob.glob(text, recursive=True))
@@ -102,9 +105,14 @@ def find_images(inputs, output_dir):
                     subfolders[:] = sorted(d for d in subfolders if not in_output(os.path.join(folder, d)))
                     files.update((os.path.abspath(os.path.join(folder, name)), True) for name in names
                                  if name.lower().endswith(EXTENSIONS))
+                    skipped += [os.path.join(folder, name) for name in sorted(names)
+                                if name.lower().endswith(SKIPPED_KINDS)]
             elif named or match.lower().endswith(EXTENSIONS):
                 roots.append(os.path.dirname(os.path.abspath(match)))
                 files[os.path.abspath(match)] = True
+    if skipped:
+        job.log(f"note: {len(skipped)} picture(s) of a kind predict.py does not take from a folder skipped (e.g. "
+                f"{skipped[0]}): convert them to PNG, or name one by itself to predict its first frame")
     if not files:
         fail(f"no images ({', '.join(e[1:] for e in EXTENSIONS)}) in {' '.join(inputs)}")
     root = os.path.commonpath(roots)

@@ -38,7 +38,7 @@ class Range(NamedTuple):
 
 
 WEEK_MINUTES = 7 * 24 * 60  # --dist-timeout at most a week: longer is a typo, and timedelta's arithmetic overflows
-# ... and at least 6 s: a shorter one fails the healthy collectives of a slow machine (forming the group, the first
+# ... and at least 6 s: a shorter one can fail the healthy collectives of a slow machine (forming the group, the first
 # broadcast of the weights), and the line then blames a lost peer for what the flag did.
 SHORTEST_TIMEOUT_MINUTES = 0.1
 

@@ -169,3 +169,16 @@ def test_onnx_export_computes_what_pytorch_computes(checkpoint, tmp_path, capsys
         assert logits.shape == (shape[0], 19, *shape[2:]) and logits.dtype == np.float32
         assert np.abs(logits - expected).max() < 1e-3
         assert (logits.argmax(1) == expected.argmax(1)).mean() > 0.999
+
+
+def test_a_gif_in_a_folder_is_skipped_and_said_and_read_when_named_by_itself(tmp_path, capsys):
+    """A choice: a folder's GIFs (and other kinds) are not predicted (their first frame alone would be), but said;
+    a GIF named by itself is read, its first frame."""
+    Image.new("RGB", (8, 4)).save(tmp_path / "street.png")
+    Image.new("RGB", (8, 4)).save(tmp_path / "clip.gif")
+    found = predict.find_images([str(tmp_path)], str(tmp_path / "out"))
+    assert [name for _, name in found] == ["street.png"]
+    assert (f"note: 1 picture(s) of a kind predict.py does not take from a folder skipped (e.g. {tmp_path}/clip.gif)"
+            in capsys.readouterr().out)
+    assert [name for _, name in predict.find_images([str(tmp_path / "clip.gif")], str(tmp_path / "out"))] == \
+        ["clip.gif"]
