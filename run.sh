@@ -11,7 +11,7 @@
 #
 # With DATA not set and nothing in data/cityscapes, it writes a synthetic set once (data/cityscapes_synthetic)
 # and trains a demo sized for a laptop CPU into output/demo: 2 min 09 s on a 2-core AMD EPYC with AVX-512 (from a
-# fresh clone, writing the set included), 4 min 00 s on a 2-core AMD EPYC with AVX2 only (README.md). Paths (DATA,
+# fresh clone, writing the set included), 3 min 26 s on a 2-core AMD EPYC with AVX2 only (README.md). Paths (DATA,
 # OUTPUT_DIR, the arguments) are relative to where you run it, as for any command.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")" && pwd)  # where main.py and the other programs are
