@@ -10,9 +10,9 @@ classes.json in plain folders), and the augmentation.
 Workers hand over uint8 (4 bytes a pixel with the label, not 13) and leave the float conversion to the
 GPU. With cache_dir, each frame is decoded once and then read as an uncompressed array, memory-mapped:
 a worker reads only the rows of its crop, and the page cache is shared by every worker and rank.
-Fill the cache before training (optional: the first epoch fills it too), from the repository's root:
+Fill the cache before training (optional: the first epoch fills it too):
 
-    python -m harness.cache data/cache --data data/cityscapes --split train val
+    python harness/cache.py data/cache --data data/cityscapes --split train val
 
 No real data at hand? synthetic.py writes a set in either layout.
 """

@@ -13,7 +13,7 @@ marked `harness`) that a learner can delete. main.py imports it in one statement
     paths        every path a program writes, checked in one place; one run per output folder
     job          this process's place in the job, read once from the launcher's environment; and RUN, a run's state
     errors       the error types
-    cache        `python -m harness.cache`: fill dataset.py's decode cache before training
+    cache        `python harness/cache.py`: fill dataset.py's decode cache before training
 
 A run's state lives in one object, job.RUN (harness/job.py): a field per concern (the environment, the command, the
 stop signals and the ranks' vote, the held --output-dir, the checkpoint the run starts from, TensorBoard's writer,

@@ -1,7 +1,8 @@
 """Fill dataset.py's decode cache before training: every frame of the splits decoded once into CACHE_DIR
-(optional: training fills the cache as it reads). From the repository's root:
+(optional: training fills the cache as it reads). From the repository's root, or as a file from any folder:
 
     python -m harness.cache data/cache --data data/cityscapes --split train val
+    python path/to/harness/cache.py data/cache --data data/cityscapes
 
 It lives in the harness, not in dataset.py, because it checks its folder the way every writer of this project
 does (paths.py: not the data set nor inside it); dataset.py itself imports nothing of the harness.
@@ -12,10 +13,14 @@ import multiprocessing
 import os
 import sys
 
-from dataset import BadInput, open_dataset
+if __name__ == "__main__" and not __package__:  # run as a file, python path/to/harness/cache.py, from any folder:
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository, for dataset
+    __package__ = "harness"  # and for this module's relative imports below
 
-from . import paths
-from .errors import UserError
+from dataset import BadInput, open_dataset  # noqa: E402
+
+from . import paths  # noqa: E402
+from .errors import UserError  # noqa: E402
 
 _preparing = None  # the data set a worker process fills the cache for (set once per process by the Pool)
 
@@ -49,7 +54,7 @@ def prepare_cache(root, cache_dir, splits, workers):
 
 
 def get_args_parser():
-    parser = argparse.ArgumentParser(prog="python -m harness.cache", description="Fill the decode cache: every "
+    parser = argparse.ArgumentParser(prog="harness/cache.py", description="Fill the decode cache: every "
                                      "frame of --data's splits decoded once into CACHE_DIR (optional: training "
                                      "fills it as it reads). Train with --cache-dir CACHE_DIR.")
     parser.add_argument("cache_dir", metavar="CACHE_DIR", help="the cache folder (main.py's --cache-dir)")
@@ -69,4 +74,4 @@ if __name__ == "__main__":
     try:
         prepare_cache(args.data, args.cache_dir, args.split, args.workers)
     except (BadInput, UserError) as error:
-        sys.exit(f"python -m harness.cache: error: {error}")
+        sys.exit(f"harness/cache.py: error: {error}")

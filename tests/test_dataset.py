@@ -12,6 +12,7 @@ from PIL import Image
 from torchvision.transforms.v2 import functional as F
 
 import images
+from conftest import ROOT
 from dataset import (ID_TO_TRAINID, IGNORE_INDEX, MEAN, STD, TRAINID_TO_ID, BadInput, Cityscapes, normalize,
                      read_image, read_label, sample_generator, train_transform)
 from synthetic import draw_street, write_synthetic
@@ -273,9 +274,14 @@ def test_a_damaged_cache_file_is_rebuilt_not_trusted(tiny_data, tmp_path, damage
 
 
 def test_prepare_cache_fills_the_cache_that_training_reads(tiny_data, tmp_path):
+    """python path/to/harness/cache.py, run as a file from another folder (a program's launch is the point here),
+    with two worker processes."""
+    import subprocess
+    import sys
     cache_dir = str(tmp_path / "cache")
-    from harness.cache import prepare_cache
-    prepare_cache(tiny_data, cache_dir, ["train", "val"], workers=2)
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "harness", "cache.py"), cache_dir, "--data", tiny_data,
+                             "-j", "2"], cwd=str(tmp_path), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
     assert len(glob.glob(os.path.join(cache_dir, "*.npy"))) == 2 * (8 + 5)
     data = Cityscapes(tiny_data, "train", crop_size=(24, 24), cache_dir=cache_dir)
     assert all(isinstance(array, np.memmap) for index in range(len(data)) for array in data.frame(index))
