@@ -43,8 +43,9 @@ from harness.errors import fail, first_line
 from images import read_image
 
 EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".tif", ".tiff")
-# Pictures of other kinds a folder may hold: skipped there, and said (a GIF's first frame alone is a prediction of
-# part of it); a file named by itself is read whatever it is.
+# Picture kinds a folder may hold that are skipped there and said (a GIF's first frame alone would be predicted);
+# other files are skipped silently. A file named by itself goes to the reader: what PIL decodes (a GIF: its first
+# frame; not SVG or HEIC).
 SKIPPED_KINDS = (".gif", ".apng", ".ppm", ".pgm", ".pbm", ".heic", ".heif", ".avif", ".jp2", ".svg")
 KINDS = ("color", "overlay", "label")
 
@@ -112,7 +113,7 @@ def find_images(inputs, output_dir):
                 files[os.path.abspath(match)] = True
     if skipped:
         job.log(f"note: {len(skipped)} picture(s) of a kind predict.py does not take from a folder skipped (e.g. "
-                f"{skipped[0]}): convert them to PNG, or name one by itself to predict its first frame")
+                f"{skipped[0]}): convert them to PNG (a GIF named by itself: its first frame)")
     if not files:
         fail(f"no images ({', '.join(e[1:] for e in EXTENSIONS)}) in {' '.join(inputs)}")
     root = os.path.commonpath(roots)

@@ -18,7 +18,7 @@ marked `harness`) that a learner can delete. main.py imports it in one statement
 A run's state lives in one object, job.RUN (harness/job.py): a field per concern (the environment, the command, the
 stop signals and the ranks' vote, the held --output-dir, the checkpoint the run starts from, TensorBoard's writer,
 ...), each written by one module alone. Every other module-level name is a constant, but cache.py's _preparing:
-the data set each of its worker processes fills the cache from, set once in that process.
+the data set being cached, set in the parent once per split and in each Pool worker as it starts.
 
 Names say when a function writes or waits for the other ranks: one whose name begins with ranks_ is a collective
 (every rank calls it, at the same point); write, make, move, hold, rewrite or save in a name: it writes files; a
