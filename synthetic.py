@@ -282,12 +282,18 @@ RANGES = {"num_train": ("--num-train", Range(1)), "num_val": ("--num-val", Range
 
 
 def _stop(signum, frame):
+    # Once: a second stop (gpu_check.py sends one 2 s after the first) would break into the cleanup the first began,
+    # leaving the pool's drawing processes running and the temporary folder behind. (SIGKILL still ends it.)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     raise KeyboardInterrupt  # a SIGTERM (run.sh passes a Ctrl-C on so) ends as a Ctrl-C does: the temporary folder goes
 
 
 if __name__ == "__main__":
     args = get_args_parser().parse_args()
     signal.signal(signal.SIGTERM, _stop)
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # (not where it is ignored: run.sh's step)
+        signal.signal(signal.SIGINT, _stop)
     try:
         check_numbers(args, RANGES)
         write_synthetic(args.folder, args.num_train, args.num_val, tuple(args.size), args.seed, args.photo,

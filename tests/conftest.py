@@ -14,8 +14,8 @@ sys.path.insert(0, ROOT)
 
 from synthetic import write_synthetic  # noqa: E402
 
-# Tiny everything: 64x32 images, a MobileNet DeepLab, one thread per process.
-TRAIN_ARGS = ["--model", "deeplabv3plus_mobilenet_v3_large", "--crop-size", "32", "-b", "2", "-j", "0",
+# Tiny everything: 64x32 images, models.py's tiny DeepLabV3+ (its checkpoints 4 MB), one thread per process.
+TRAIN_ARGS = ["--model", "deeplabv3plus_mobilenet_tiny", "--crop-size", "32", "-b", "2", "-j", "0",
               "--pretrained-backbone", "none", "-p", "1"]
 
 
@@ -115,8 +115,9 @@ def run(command, env=None, timeout=240, cwd=ROOT):
     return result.stdout + result.stderr
 
 
-# Crops of 64 make a step slow enough (about 0.15 s) to signal a run in the middle of an epoch.
-SLOW_ARGS = [a if a != "32" else "64" for a in TRAIN_ARGS]
+# Crops of 192 (the 64x32 images padded) make a step slow enough (about 0.17 s) to signal a run in the middle of an
+# epoch.
+SLOW_ARGS = [a if a != "32" else "192" for a in TRAIN_ARGS]
 
 
 @pytest.fixture(scope="session")

@@ -525,7 +525,10 @@ def test_pretrained_weights_are_fetched_only_for_a_fresh_start(tiny_data, traine
     main.main(main.get_args_parser().parse_args(imagenet + ["--epochs", "1"]))
     assert fetched == []
     monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT")
-    line = _main_fails(imagenet[:3] + [str(tmp_path / "fresh")] + imagenet[4:] + ["--check-only", "2"], capsys)
+    fresh = imagenet[:3] + [str(tmp_path / "fresh")] + imagenet[4:] + ["--check-only", "2"]
+    line = _main_fails(fresh, capsys)  # the tests' tiny model has no ImageNet weights to fetch: said, not tried
+    assert "mobilenet_tiny (MobileNetV3-Small at half width) has no ImageNet weights" in line and fetched == [], line
+    line = _main_fails(fresh + ["--model", "deeplabv3plus_mobilenet_v3_large"], capsys)
     assert "could not download the ImageNet weights" in line and len(fetched) == 1, line  # a fresh start fetches
 
 
@@ -1386,7 +1389,7 @@ def test_a_line_names_where_the_model_it_builds_came_from(tiny_data, trained, tm
     assert "mIoU" in capsys.readouterr().out
     line = _main_fails(common[:typed] + ["--model", "deeplabv3_resnet50"] + common[typed + 2:] + ["--resume",
                        os.path.join(trained, "best.pth")], capsys)
-    assert "holds a deeplabv3plus_mobilenet_v3_large model, but --model deeplabv3_resnet50 was given" in line, line
+    assert "holds a deeplabv3plus_mobilenet_tiny model, but --model deeplabv3_resnet50 was given" in line, line
 
 
 # --- what rank 0 writes beside the checkpoint: nothing of the user's, nor the trained epoch, lost -------------------
