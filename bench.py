@@ -128,6 +128,9 @@ def bench_prefetch(root, crop, batch, steps):
 
 # --- the CPU: DDP scaling and loop overhead ----------------------------------------------------------------
 MODEL = "deeplabv3plus_mobilenet_v3_large"
+# --quick checks that every figure is measured, not the figures: models.py's tiny DeepLabV3+ (0.55 M parameters)
+# takes a fraction of the big one's time a step.
+QUICK_MODEL = "deeplabv3plus_mobilenet_tiny"
 
 
 def _batch(batch, size):
@@ -136,13 +139,13 @@ def _batch(batch, size):
             torch.randint(0, dataset.NUM_CLASSES, (batch, *size), generator=generator))
 
 
-def _scaling_worker(rank, world_size, mode, batch, size, steps, warmup, port, result_file):
+def _scaling_worker(rank, world_size, mode, batch, size, steps, warmup, port, result_file, model_name):
     """One process of a scaling run: mode "ddp" (DDP as main.py wraps it) or "alone" (no communication)."""
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    model = build_model(MODEL, dataset.NUM_CLASSES).train()
+    model = build_model(model_name, dataset.NUM_CLASSES).train()
     if mode == "ddp":
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
         model = DDP(model, gradient_as_bucket_view=True)
@@ -162,14 +165,14 @@ def _scaling_worker(rank, world_size, mode, batch, size, steps, warmup, port, re
         f.write(str(elapsed))
 
 
-def scaling_rate(world_size, mode, batch, size, steps, warmup, start_method="spawn"):
+def scaling_rate(world_size, mode, batch, size, steps, warmup, start_method="spawn", model_name=MODEL):
     """Global training images per second of world_size processes, one thread each. start_method "fork" (--quick)
     skips each process's import of torch; "spawn" starts them clean, as torchrun does."""
     import torch.multiprocessing as mp
     with tempfile.TemporaryDirectory() as tmp:
         result = os.path.join(tmp, "elapsed")
-        mp.start_processes(_scaling_worker, args=(world_size, mode, batch, size, steps, warmup, _free_port(), result),
-                           nprocs=world_size, join=True, start_method=start_method)
+        mp.start_processes(_scaling_worker, args=(world_size, mode, batch, size, steps, warmup, _free_port(), result,
+                                                  model_name), nprocs=world_size, join=True, start_method=start_method)
         slowest = max(float(open(f"{result}.{r}").read()) for r in range(world_size))
     return world_size * batch * steps / slowest
 
@@ -181,7 +184,7 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def loop_overhead(batch, size, steps, rounds=2):
+def loop_overhead(batch, size, steps, rounds=2, model_name=MODEL):
     """main.train_one_epoch's step against a bare forward, backward and SGD step: same model, batch and
     thread, in one process; alternated, the fastest round of each kept."""
     torch.set_num_threads(1)
@@ -194,7 +197,7 @@ def loop_overhead(batch, size, steps, rounds=2):
     for _ in range(rounds):
         for kind in ("bare", "main"):
             torch.manual_seed(0)
-            model = build_model(MODEL, dataset.NUM_CLASSES).train()
+            model = build_model(model_name, dataset.NUM_CLASSES).train()
             optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=1e-4)
             scaler = torch.amp.GradScaler("cpu", enabled=False)
             for _ in range(2):  # warm-up
@@ -345,7 +348,36 @@ def checkpoint_check(rounds=5, model_name="deeplabv3plus_resnet101"):
 
 
 # --- the CPU: memory of each rank, evaluation time -----------------------------------------------------------
-def run_main(nproc, argv, env):
+def _forked_main(rank, nproc, argv, env, port, log):
+    """--quick: one process of main.py, forked from this one: main.main(argv) in env, with the variables torchrun
+    gives its workers when nproc > 1 (none for one, as `python main.py`); what it prints goes to log.<rank>."""
+    os.environ.update(env)
+    if nproc > 1:
+        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)  # this process imported torch before env's OMP_NUM_THREADS was set here
+    # Both the descriptors and Python's streams: a caller that captures sys.stdout (pytest) replaced the streams.
+    sys.stdout = sys.stderr = open(f"{log}.{rank}", "w", buffering=1)
+    os.dup2(sys.stdout.fileno(), 1)
+    os.dup2(sys.stdout.fileno(), 2)
+    main.main(main.get_args_parser().parse_args(argv))
+
+
+def run_main(nproc, argv, env, quick=False):
+    """main.py with argv in env, on nproc processes: launched as a user launches it (torchrun, or `python main.py`
+    for one); with quick, forked from this process instead, which has imported torch already (seconds a process)."""
+    if quick:
+        import torch.multiprocessing as mp
+        with tempfile.TemporaryDirectory() as tmp:
+            log = os.path.join(tmp, "rank")
+            try:
+                mp.start_processes(_forked_main, args=(nproc, argv, env, _free_port(), log), nprocs=nproc, join=True,
+                                   start_method="fork")
+            except (mp.ProcessExitedException, mp.ProcessRaisedException) as error:
+                said = "".join(open(f"{log}.{rank}").read()[-2000:] for rank in range(nproc)
+                               if os.path.exists(f"{log}.{rank}"))
+                raise SystemExit(f"bench.py: main.py failed ({error}):\n{said}") from None
+        return
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
     command = (launcher if nproc > 1 else [sys.executable]) + [os.path.join(HERE, "main.py"), *argv]
     result = subprocess.run(command, env=env, capture_output=True, text=True)
@@ -354,15 +386,18 @@ def run_main(nproc, argv, env):
 
 
 def bench_cpu(quick):
-    print(f"CPU: {os.cpu_count()} cores, torch {torch.__version__}, model {MODEL}, one thread per process")
+    model_name = QUICK_MODEL if quick else MODEL
+    print(f"CPU: {os.cpu_count()} cores, torch {torch.__version__}, model {model_name}, one thread per process")
     rows = []  # (what, measured, target, met)
     batch, size = (2, (64, 64)) if quick else (4, (128, 256))
-    steps, warmup = (2, 1) if quick else (10, 3)
+    # --quick: the tiny model's steps are short; 4 timed keep a moment's load on a shared machine from swinging the
+    # ratios far (tests/test_bench.py bounds them).
+    steps, warmup = (4, 1) if quick else (10, 3)
 
     start_method = "fork" if quick else "spawn"
-    one = scaling_rate(1, "alone", batch, size, steps, warmup, start_method)
-    alone = scaling_rate(2, "alone", batch, size, steps, warmup, start_method)
-    ddp = scaling_rate(2, "ddp", batch, size, steps, warmup, start_method)
+    one = scaling_rate(1, "alone", batch, size, steps, warmup, start_method, model_name)
+    alone = scaling_rate(2, "alone", batch, size, steps, warmup, start_method, model_name)
+    ddp = scaling_rate(2, "ddp", batch, size, steps, warmup, start_method, model_name)
     print(f"1. DDP scaling, batch {batch} per process at {size[0]}x{size[1]}: 1 process {one:.2f} img/s; "
           f"2 without communication {alone:.2f} ({alone / one / 2:.3f}); 2 with DDP {ddp:.2f}")
     rows.append(("DDP scaling efficiency, 2 gloo processes vs 1", f"{ddp / one / 2:.3f}", ">= 0.95", ddp / one / 2 >= 0.95))
@@ -370,7 +405,7 @@ def bench_cpu(quick):
     figures = {"img_per_s": {"1 process": one, "2 without communication": alone, "2 with DDP": ddp},
                "ddp_efficiency": ddp / one / 2}
 
-    overhead, step_s = loop_overhead(batch, size, steps)
+    overhead, step_s = loop_overhead(batch, size, steps, model_name=model_name)
     print(f"2. loop overhead: bare step {step_s * 1000:.0f} ms; main.py's train_one_epoch {overhead * 100:+.2f}%")
     rows.append(("main.py's step vs a bare step", f"{overhead * 100:+.2f}%", "<= 2%", overhead <= 0.02))
     figures.update(bare_step_s=step_s, loop_overhead=overhead)
@@ -383,20 +418,24 @@ def bench_cpu(quick):
         write_synthetic(data, num_train=16 if quick else 48, num_val=6 if quick else 24, size=size_wh, seed=2)
         env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
         out = os.path.join(tmp, "out")
-        common = ["--data", data, "--model", MODEL, "--crop-size", "64" if quick else "256", "-b", "2" if quick else "4",
-                  "-j", "0", "-p", "100", "--pretrained-backbone", "none", "--output-dir", out]
-        run_main(2, common + ["--epochs", "1" if quick else "2"], env)
+        common = ["--data", data, "--model", model_name, "--crop-size", "64" if quick else "256", "-b",
+                  "2" if quick else "4", "-j", "0", "-p", "100", "--pretrained-backbone", "none", "--output-dir", out]
+        run_main(2, common + ["--epochs", "1" if quick else "2"], env, quick)
         with open(os.path.join(out, "metrics.jsonl")) as f:
             memory = json.loads(f.readlines()[-1])["peak_memory_gib"]
         excess = memory[0] / max(memory[1:]) - 1
-        print(f"4. peak resident memory per rank over {1 if quick else 2} epoch(s) of training, evaluation and rank 0's checkpoints: "
-              + ", ".join(f"rank {r} {m:.3f} GiB" for r, m in enumerate(memory)))
+        # With --quick the ranks are forked from this process, and a forked process's peak resident set starts at
+        # its parent's resident size at the fork: each figure is this process's size (torch, sections 1-3) and what
+        # the rank added; the ranks were forked alike, so rank 0's excess over the others still compares them.
+        forked = " (forked: from this process's size at the fork)" if quick else ""
+        print(f"4. peak resident memory per rank over {1 if quick else 2} epoch(s) of training, evaluation and "
+              f"rank 0's checkpoints{forked}: " + ", ".join(f"rank {r} {m:.3f} GiB" for r, m in enumerate(memory)))
         rows.append(("rank 0's peak memory over the others'", f"{excess * 100:+.1f}%", "<= 5%", excess <= 0.05))
         figures.update(peak_memory_gib=memory, rank0_memory_excess=excess)
 
         times = {}
         for nproc in (1, 2):
-            run_main(nproc, common + ["-e", "--resume", os.path.join(out, "checkpoint.pth")], env)
+            run_main(nproc, common + ["-e", "--resume", os.path.join(out, "checkpoint.pth")], env, quick)
             with open(os.path.join(out, "eval.json")) as f:
                 times[nproc] = json.load(f)["eval_time_s"]
         print(f"5. evaluation of {6 if quick else 24} val images at {size_wh[0]}x{size_wh[1]}: 1 process "
@@ -419,9 +458,11 @@ def data_section(tmp, quick, figures=None):
     figures, where given."""
     torch.set_num_threads(1)  # a DataLoader worker's share
     root, cache_dir = os.path.join(tmp, "photo"), os.path.join(tmp, "cache")
-    size, crop = ((1024, 512), 384) if quick else ((2048, 1024), 768)
+    # --quick: a quarter of the pixels, the crop in the same proportion; the 3 turns of each way bench_data always
+    # takes. Still photo-like PNGs through every way, so every figure is measured.
+    size, crop = ((512, 256), 192) if quick else ((2048, 1024), 768)
     write_synthetic(root, num_train=2 if quick else 6, num_val=1, size=size, seed=1, photo=True)
-    times, sizes = bench_data(root, cache_dir, crop, 0.3 if quick else 6)
+    times, sizes = bench_data(root, cache_dir, crop, 0 if quick else 6)
     decoder = "torchcodec" if images._torchcodec_decode is not None else "PIL (torchcodec not installed)"
     print(f"3. data, photo-like {size[0]}x{size[1]} PNGs ({os.path.getsize(glob.glob(os.path.join(root, 'leftImg8bit', 'train', '*', '*'))[0]) / 1e6:.1f} MB) "
           f"to a {crop} crop, one worker, one thread, decoder {decoder}; samples/s:")
@@ -561,7 +602,8 @@ def bench_dp_vs_ddp(batch, crop, steps, warmup):
 def get_args_parser():
     parser = argparse.ArgumentParser(prog="bench.py", description=__doc__.split("\n")[0])
     parser.add_argument("--gpu", action="store_true", help="the single-GPU precision/layout table")
-    parser.add_argument("--quick", action="store_true", help="tiny sizes: checks that it runs, not timings")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes (the CPU run: the tiny model, main.py "
+                        "forked from this process, not launched): checks that it runs, not timings")
     parser.add_argument("--data", action="store_true", help="the data pipeline's measures alone (section 3)")
     parser.add_argument("--bucket-views", action="store_true", help="DDP's gradients zeroed in place against "
                         "set_to_none, side by side (with --gpu: on one GPU)")
@@ -574,8 +616,10 @@ def get_args_parser():
     return parser
 
 
-if __name__ == "__main__":
-    args = get_args_parser().parse_args()
+def cli(argv=None):
+    """bench.py's command line: argv (without it, sys.argv's) picks the measures. tests/test_bench.py calls it
+    in its own process, which has imported torch already."""
+    args = get_args_parser().parse_args(argv)
     if args.checkpoint:
         times, size = checkpoint_check(rounds=1 if args.quick else 5)
         print(f"CPU: {os.cpu_count()} cores, torch {torch.__version__}: the recipe's checkpoint, {size / 1e6:.0f} MB "
@@ -602,3 +646,7 @@ if __name__ == "__main__":
             print_table(data_section(tmp, args.quick))
     else:
         bench_cpu(args.quick)
+
+
+if __name__ == "__main__":
+    cli()
