@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from conftest import ROOT, SLOW_ARGS, TRAIN_ARGS, free_port, run
 import main
@@ -27,12 +28,11 @@ def _metrics(out):
 
 def _manual_launch(out, data):
     """The pre-torchrun way: a process per rank, MASTER_ADDR/PORT, RANK, WORLD_SIZE, and --local_rank."""
-    import subprocess
     port = str(free_port())
     procs = []
     for rank in range(2):
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
-               "RANK": str(rank), "WORLD_SIZE": "2"}
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": port, "RANK": str(rank), "WORLD_SIZE": "2"}
         env.pop("LOCAL_RANK", None)
         procs.append(subprocess.Popen([PY, "main.py", f"--local_rank={rank}", "--data", data, "--output-dir", out,
                                        "--epochs", "1", *TRAIN_ARGS], cwd=main.__file__.rsplit("/", 1)[0], env=env,
@@ -44,6 +44,8 @@ def _manual_launch(out, data):
 
 @pytest.mark.parametrize("form", ["launch", "local_rank", "plain"])  # torchrun: run.sh's tests and test_lesson.py
 def test_each_launch_form_trains_and_evaluates(form, tiny_data, tmp_path, capsys):
+    """Each way of starting main.py, the launcher being the point: torch.distributed.launch and a process per rank
+    by hand start real processes; the plain form needs none."""
     out = str(tmp_path / "out")
     common = ["main.py", "--data", tiny_data, "--output-dir", out, "--epochs", "1", *TRAIN_ARGS]
     port = f"--master_port={free_port()}"
@@ -63,46 +65,74 @@ def test_each_launch_form_trains_and_evaluates(form, tiny_data, tmp_path, capsys
     assert os.path.isfile(os.path.join(out, "checkpoint.pth"))
 
 
-def test_run_sh_trains_resumes_and_evaluates(tiny_data, tmp_path):
-    out = str(tmp_path / "out")
-    env = {"DATA": tiny_data, "OUTPUT_DIR": out, "NPROC": "2", "MASTER_PORT": str(free_port())}
-    log = run(["./run.sh", "--epochs", "1", *TRAIN_ARGS], env=env)
-    assert "2 process(es), backend gloo" in log
-    records = _metrics(out)
-    assert [r["epoch"] for r in records] == [0]
-    for key in ("train_loss", "lr", "miou", "iou", "train_img_per_s", "epoch_time_s"):
-        assert key in records[0]
-    assert set(records[0]["iou"]) >= {"road", "car", "sky"}
-    for name in ("checkpoint.pth", "best.pth", "vis/epoch_000.png"):
-        assert os.path.isfile(os.path.join(out, name)), name
+def _checkpoint(out):
+    return torch.load(os.path.join(out, "checkpoint.pth"), map_location="cpu", weights_only=True)
 
-    log = run(["./run.sh", "--epochs", "2", *TRAIN_ARGS], env=env)  # run.sh resumes by itself
-    assert "resuming from" in log
+
+def test_run_sh_resumes_by_itself_bitwise_where_a_run_left_off_and_evaluates_its_checkpoint(data24, straight,
+                                                                                             tmp_path):
+    """run.sh's launches are the point. A job of --epochs 2 that ended after epoch 0 leaves what the straight run
+    (conftest) left then: its previous checkpoint and epoch 0's line of metrics. The same ./run.sh line again resumes
+    by itself (run.sh passes --resume auto) at the start of epoch 1, on 2 processes, and ends with bitwise the
+    straight run's weights and metrics; ./run.sh -e evaluates that checkpoint to the same mIoU. (A first run.sh of
+    --epochs 1 could not be compared: its poly schedule spans one epoch, its learning rates are another run's. run.sh
+    starting from nothing is the demo's test.)"""
+    records = _metrics(straight)  # the straight run began from nothing: what such a run writes
+    assert [r["epoch"] for r in records] == [0, 1]
+    for name in ("checkpoint.pth", "best.pth", "vis/epoch_000.png"):
+        assert os.path.isfile(os.path.join(straight, name)), name
+    out = str(tmp_path / "out")
+    os.makedirs(out)
+    shutil.copy(os.path.join(straight, "checkpoint.prev.pth"), os.path.join(out, "checkpoint.pth"))
+    with open(os.path.join(straight, "metrics.jsonl")) as f, open(os.path.join(out, "metrics.jsonl"), "w") as g:
+        g.write(f.readline())
+    assert _checkpoint(out)["epoch"] == 1 and _checkpoint(out)["step"] == 0
+    env = {"DATA": data24, "OUTPUT_DIR": out, "NPROC": "2", "MASTER_PORT": str(free_port())}
+    log = run(["./run.sh", "--epochs", "2", *SLOW_ARGS], env=env)  # no --resume: run.sh resumes by itself
+    assert "2 process(es), backend gloo" in log
+    assert "resuming from" in log and "at the start of epoch 1" in log
     records = _metrics(out)
     assert [r["epoch"] for r in records] == [0, 1]  # continued at epoch 1, did not redo epoch 0
     assert records[1]["lr"] < records[0]["lr"]  # the poly schedule continued too
+    for key in ("train_loss", "lr", "miou", "iou", "train_img_per_s", "epoch_time_s"):
+        assert key in records[1]
+    assert set(records[1]["iou"]) >= {"road", "car", "sky"}
+    for name in ("checkpoint.pth", "vis/epoch_001.png"):
+        assert os.path.isfile(os.path.join(out, name)), name
+    mine, reference = _checkpoint(out)["model"], _checkpoint(straight)["model"]
+    assert mine.keys() == reference.keys()
+    different = [k for k in reference if not torch.equal(mine[k], reference[k])]
+    assert not different, f"{len(different)} tensors differ, e.g. {different[:3]}"
+    for record, straight_record in zip(records, _metrics(straight), strict=True):
+        for key in ("epoch", "train_loss", "lr", "miou", "iou"):
+            assert record[key] == straight_record[key], key
 
     predictions = str(tmp_path / "predictions")
     run(["./run.sh", "-e", "--resume", os.path.join(out, "checkpoint.pth"), "--save-predictions", predictions,
          *TRAIN_ARGS], env=env)
     with open(os.path.join(out, "eval.json")) as f:
         result = json.load(f)
-    assert result["num_images"] == 5 and 0 <= result["miou"] <= 1
+    assert result["num_images"] == 3 and 0 <= result["miou"] <= 1
     assert result["miou"] == pytest.approx(records[1]["miou"])  # the same model, the same number
     names = sorted(os.listdir(predictions))
-    assert len(names) == 5 and all(n.endswith("_pred_labelIds.png") for n in names)
+    assert len(names) == 3 and all(n.endswith("_pred_labelIds.png") for n in names)
 
 
 def test_run_sh_without_data_writes_synthetic_set_and_trains(tmp_path):
-    """Run from a folder with no data/cityscapes and DATA not set: the demo, its paths relative to that folder
-    (OUTPUT_DIR set, to keep the test small, is too; not ASCII, under the C locale). A DATA named on purpose that
-    holds nothing is no demo."""
+    """A launch, run.sh's demo being the point. Run from a folder with no data/cityscapes and DATA not set: the demo,
+    its paths relative to that folder (OUTPUT_DIR set, to keep the test small, is too; not ASCII, under the C
+    locale). A DATA named on purpose that holds nothing is no demo. Our arguments, after the demo's, win: the tests'
+    tiny model among them, which has no ImageNet weights, so that it trains at all says the demo's
+    --pretrained-backbone none reached main.py, as its --lr did."""
     env = {"OUTPUT_DIR": "ausgabe-über", "NPROC": "2", "MASTER_PORT": str(free_port()), "LANG": "C", "LC_ALL": "C"}
-    log = run([os.path.join(ROOT, "run.sh"), "--epochs", "1", "--crop-size", "16", "-b", "16", "-p", "50"], env=env,
-              cwd=str(tmp_path))  # 9 steps
+    log = run([os.path.join(ROOT, "run.sh"), "--epochs", "1", "--crop-size", "16", "-b", "16", "-p", "50",
+               "--model", "deeplabv3plus_mobilenet_tiny"], env=env, cwd=str(tmp_path))  # 9 steps
     assert "no Cityscapes in data/cityscapes" in log
     assert os.path.isdir(tmp_path / "data" / "cityscapes_synthetic" / "leftImg8bit" / "test")
     assert [r["epoch"] for r in _metrics(str(tmp_path / "ausgabe-über"))] == [0]
+    args = _checkpoint(str(tmp_path / "ausgabe-über"))["args"]
+    assert (args["model"], args["crop_size"], args["lr"], args["pretrained_backbone"]) == (
+        "deeplabv3plus_mobilenet_tiny", [16], 0.05, "none"), args
     result = subprocess.run([os.path.join(ROOT, "run.sh")], cwd=str(tmp_path), capture_output=True, text=True,
                             env={**os.environ, "CUDA_VISIBLE_DEVICES": "", "DATA": "typo/cityscapes"}, timeout=60)
     assert result.returncode == 1 and "demo" not in result.stdout, result.stdout + result.stderr
@@ -112,8 +142,6 @@ def test_run_sh_without_data_writes_synthetic_set_and_trains(tmp_path):
 def test_two_nodes_train_together_and_match_one_node(data24, straight, tmp_path):
     """run.sh's multi-node form: two launchers on this machine, each a node with one gloo worker, meet at
     the c10d rendezvous and produce bitwise the checkpoint of one node with two processes."""
-    import subprocess
-    import torch
     out = str(tmp_path / "out")
     port = str(free_port())
     nodes = []
@@ -133,25 +161,43 @@ def test_two_nodes_train_together_and_match_one_node(data24, straight, tmp_path)
     assert [r["miou"] for r in _metrics(out)] == [r["miou"] for r in _metrics(straight)]
 
 
-def test_run_sh_starts_the_python_that_PYTHON_names_and_says_when_there_is_none(tiny_data, tmp_path):
-    """The suite's PATH holds no Python and PYTHON names the one running pytest (conftest): run.sh counts the GPUs
-    and runs main.py's check with it, as its tests train with it; main.py's own line about a flag proves the check
-    ran, torch imported. Without PYTHON, its default `python` is found nowhere: one line says so, before any step."""
+def test_run_sh_starts_the_python_PYTHON_names_and_says_in_python_s_words_why_it_cannot(tiny_data, tmp_path):
+    """run.sh's own lines are the point: each case is a launch of it. The suite's PATH holds no Python and PYTHON
+    names the one running pytest (conftest). Without PYTHON, its default `python` is found nowhere: one line says so,
+    before any step. A Python that fails before it imports torch (PYTHONHASHSEED=abc ends it as it starts) is named
+    with what Python said, not taken for a missing PyTorch; a Python without torch is told to install it, or to name
+    the one that has it. Both advices are then followed in one run, the only one that imports torch (twice: the GPU
+    count, main.py's check): it differs from each failed run in that run's one variable alone, so each followed
+    advice is what got past its mistake. run.sh counts the GPUs and runs main.py's check with the Python PYTHON
+    names, as its tests train with it; main.py's own line about a flag proves the check ran, torch imported."""
     assert shutil.which("python") is None and shutil.which("python3") is None, os.environ["PATH"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DATA": tiny_data, "OUTPUT_DIR": str(tmp_path / "out")}
     env.pop("CUDA_VISIBLE_DEVICES", None)  # not hidden: run.sh counts the GPUs, with Python too
-    result = subprocess.run(["./run.sh", "--epochs", "0"], cwd=ROOT, env=env, capture_output=True, text=True,
-                            timeout=120)
-    output = result.stdout + result.stderr
-    assert result.returncode == 1 and output.strip() == "main.py: error: --epochs: 0 must be at least 1", output
+
+    def run_sh(**variables):
+        """run.sh's one line, with these variables set (None: unset)."""
+        changed = {**env, **variables}
+        result = subprocess.run(["./run.sh", "--epochs", "0"], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                                env={name: value for name, value in changed.items() if value is not None})
+        lines = (result.stdout + result.stderr).strip().splitlines()
+        assert result.returncode == 1 and len(lines) == 1, lines
+        return lines[0]
+    assert run_sh(PYTHON=None) == ("run.sh: error: PYTHON=python: no such program: set PYTHON to the Python that has "
+                                   "PyTorch (PYTHON=/path/to/python ./run.sh)")
+    line = run_sh(PYTHON=PY, PYTHONHASHSEED="abc")
+    assert line.startswith(f'run.sh: error: PYTHON={PY} cannot count the GPUs (python -c "import torch; '
+                           'print(torch.cuda.device_count())"): Fatal Python error: '), line
+    assert "PYTHONHASHSEED" in line, line
+    assert "PyTorch" not in line, line
+    bare = tmp_path / "python"  # a Python without site-packages: no torch there
+    bare.write_text(f'#!/bin/bash\nexec {PY} -I -S "$@"\n')
+    bare.chmod(0o755)
+    assert run_sh(PYTHON=str(bare), PYTHONHASHSEED="0") == (
+        f"run.sh: error: PYTHON={bare} has no PyTorch (ModuleNotFoundError: No module named 'torch'): pip install -r "
+        f"{ROOT}/requirements.txt with it, or set PYTHON to the Python that has it")
+    # Both advices followed: PYTHONHASHSEED a number, as Python asked, and PYTHON the Python that has torch.
+    assert run_sh(PYTHON=PY, PYTHONHASHSEED="0") == "main.py: error: --epochs: 0 must be at least 1"
     assert not os.path.exists(tmp_path / "out")
-    del env["PYTHON"]
-    result = subprocess.run(["./run.sh", "--epochs", "0"], cwd=ROOT, env=env, capture_output=True, text=True,
-                            timeout=60)
-    output = result.stdout + result.stderr
-    assert result.returncode == 1 and output.strip() == (
-        "run.sh: error: PYTHON=python: no such program: set PYTHON to the Python that has PyTorch "
-        "(PYTHON=/path/to/python ./run.sh)"), output
 
 
 @pytest.mark.parametrize("gpus, per_gpu, accum_steps", [(1, 8, 2), (2, 8, 1), (4, 4, 1), (8, 2, 1)])
@@ -169,33 +215,6 @@ def test_run_sh_keeps_the_recipes_global_batch_on_1_to_8_gpus(gpus, per_gpu, acc
     check, launch = log.read_text().splitlines()
     assert f"--check-only {gpus}" in check and f"--nproc_per_node {gpus} " in launch, (check, launch)
     assert f"-b {per_gpu} --accum-steps {accum_steps}" in launch and per_gpu * gpus * accum_steps == 16, launch
-
-
-def test_run_sh_says_in_python_s_words_why_it_cannot_count_the_gpus(tiny_data, tmp_path):
-    """Python that fails before it imports torch (PYTHONHASHSEED=abc ends it as it starts) is named with what Python
-    said, not taken for a missing PyTorch; a Python without torch is told to install it, or to name the one that has
-    it. Each advice followed, run.sh goes on to main.py's check. A launch: run.sh's own lines are the point."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "DATA": tiny_data, "OUTPUT_DIR": str(tmp_path / "out")}
-    env.pop("CUDA_VISIBLE_DEVICES", None)  # not hidden: run.sh counts the GPUs with Python
-
-    def run_sh(**variables):
-        result = subprocess.run(["./run.sh", "--epochs", "0"], cwd=ROOT, env={**env, **variables},
-                                capture_output=True, text=True, timeout=120)
-        lines = (result.stdout + result.stderr).strip().splitlines()
-        assert result.returncode == 1 and len(lines) == 1, lines
-        return lines[0]
-    line = run_sh(PYTHONHASHSEED="abc")
-    assert line.startswith(f'run.sh: error: PYTHON={PY} cannot count the GPUs (python -c "import torch; '
-                           'print(torch.cuda.device_count())"): Fatal Python error: ') and "PYTHONHASHSEED" in line, line
-    assert "PyTorch" not in line, line
-    assert run_sh(PYTHONHASHSEED="0") == "main.py: error: --epochs: 0 must be at least 1"  # what Python asked
-    bare = tmp_path / "python"  # a Python without site-packages: no torch there
-    bare.write_text(f'#!/bin/bash\nexec {PY} -I -S "$@"\n')
-    bare.chmod(0o755)
-    assert run_sh(PYTHON=str(bare)) == (
-        f"run.sh: error: PYTHON={bare} has no PyTorch (ModuleNotFoundError: No module named 'torch'): pip install -r "
-        f"{ROOT}/requirements.txt with it, or set PYTHON to the Python that has it")
-    assert run_sh(PYTHON=PY) == "main.py: error: --epochs: 0 must be at least 1"
 
 
 def test_run_sh_refuses_a_stop_status_that_is_no_exit_status(tmp_path):

@@ -13,7 +13,11 @@ import lesson
 from conftest import ROOT, TRAIN_ARGS, run
 
 
-def test_without_its_harness_main_py_trains_evaluates_saves_and_resumes_on_two_processes(tiny_data, tmp_path):
+def test_without_its_harness_main_py_trains_evaluates_and_saves_on_two_processes_and_resumes(tiny_data, tmp_path):
+    """The lesson lifted into a folder of its own and run there by fresh interpreters, which find nothing else of the
+    project. Its training runs under torchrun on two processes, the launch the tutorial teaches being the point; the
+    resume runs as one plain process (python main.py: one interpreter to start, not torchrun's and two workers'),
+    which the lesson allows too: it proves the lesson reads its checkpoint and goes on at the next epoch."""
     with open(os.path.join(ROOT, "main.py")) as f:
         stripped, taken = lesson.strip(f.read())
     # Taking the harness out took no statement of the lesson with it (no lesson line needs a value of the harness).
@@ -30,12 +34,14 @@ def test_without_its_harness_main_py_trains_evaluates_saves_and_resumes_on_two_p
     for name in ("models.py", "dataset.py", "images.py"):  # the tutorial's two imports, and dataset's own reader
         shutil.copy(os.path.join(ROOT, name), folder / name)
     out = str(tmp_path / "out")
-    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "main.py",
-              "--data", tiny_data, "--output-dir", out, *TRAIN_ARGS]
-    said = run(launch + ["--epochs", "1"], cwd=str(folder))
+    lesson_args = ["main.py", "--data", tiny_data, "--output-dir", out, *TRAIN_ARGS]
+    said = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *lesson_args,
+                "--epochs", "1"], cwd=str(folder))
     assert "2 process(es), backend gloo" in said and "epoch 0: train loss" in said and "mIoU" in said, said
     assert torch.load(os.path.join(out, "checkpoint.pth"), weights_only=True)["epoch"] == 1
-    said = run(launch + ["--epochs", "2", "--resume", os.path.join(out, "checkpoint.pth")], cwd=str(folder))
+    said = run([sys.executable, *lesson_args, "--epochs", "2", "--resume", os.path.join(out, "checkpoint.pth")],
+               cwd=str(folder))
+    assert "1 process(es), backend none" in said, said
     assert "epochs 1..1" in said and "epoch 1: train loss" in said and "epoch 0 step" not in said, said
     assert torch.load(os.path.join(out, "checkpoint.pth"), weights_only=True)["epoch"] == 2
 
