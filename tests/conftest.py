@@ -1,3 +1,5 @@
+import contextlib
+import multiprocessing
 import os
 import re
 import shutil
@@ -6,6 +8,9 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
+import traceback
+from typing import NamedTuple
 
 import pytest
 
@@ -128,12 +133,84 @@ def data24(tmp_path_factory):
     return root
 
 
+class ForkedRank(NamedTuple):
+    """One rank that fork_ranks started."""
+    process: multiprocessing.process.BaseProcess  # .pid, .join(timeout), .exitcode, .kill()
+    output: str  # the file its stdout and stderr go to
+
+
+def _run_rank(argv, environment, output):
+    """A forked rank's life: its own variables and files, main.main(argv), then os._exit with its status, at once:
+    the child is a copy of pytest, none of whose exit code may run there, and multiprocessing's own ending would
+    wait for any non-daemon thread left running."""
+    code = 1
+    try:
+        os.environ.update(environment)
+        import torch
+        torch.set_num_threads(1)
+        # pytest's capture replaced sys.stdout in the parent; the rank writes to a real file, and so does
+        # whatever writes to descriptors 1 and 2 directly.
+        sys.stdout = sys.stderr = open(output, "w", buffering=1)
+        os.dup2(sys.stdout.fileno(), 1)
+        os.dup2(sys.stdout.fileno(), 2)
+        import main
+        main.main(main.get_args_parser().parse_args(argv))
+        code = 0
+    except SystemExit as stop:
+        code = stop.code if isinstance(stop.code, int) else 1
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+        os._exit(code)
+
+
+def fork_ranks(argv, outputs, world_size=2):
+    """world_size ranks of one job on this machine, each a forked copy of this process running main.main(argv)
+    with the variables a launcher gives its workers (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR,
+    MASTER_PORT; none of torchrun's TORCHELASTIC_ ones) and one thread each, as run() gives: the job, without the
+    seconds a fresh interpreter takes to import torch. Each rank's output goes to outputs/rank_N.log."""
+    os.makedirs(outputs, exist_ok=True)
+    context = multiprocessing.get_context("fork")
+    port = str(free_port())
+    ranks = []
+    for rank in range(world_size):
+        environment = {"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
+                       "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
+                       "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+        output = os.path.join(outputs, f"rank_{rank}.log")
+        process = context.Process(target=_run_rank, args=(argv, environment, output))
+        process.start()
+        ranks.append(ForkedRank(process, output))
+    return ranks
+
+
+def finish_ranks(ranks, timeout=240):
+    """Wait for fork_ranks' ranks to end; fail with what each said unless every one exited 0; -> what each said."""
+    deadline = time.time() + timeout
+    for rank in ranks:
+        rank.process.join(timeout=max(0, deadline - time.time()))
+    said = []
+    for rank in ranks:
+        rank.process.kill()  # (one still running after the timeout)
+        rank.process.join()
+        with open(rank.output) as f:
+            said.append(f.read())
+    if any(rank.process.exitcode != 0 for rank in ranks):
+        pytest.fail("".join(f"rank {number} exited {rank.process.exitcode}:\n{text}\n"
+                            for number, (rank, text) in enumerate(zip(ranks, said))))
+    return said
+
+
 @pytest.fixture(scope="session")
 def straight(data24, tmp_path_factory):
-    """The reference: 2 epochs, 2 processes on one node, without interruption."""
+    """The reference: 2 epochs, 2 processes on one node, without interruption. Forked ranks on the arguments
+    run.sh gives its workers (its -b and --accum-steps first, ours after): the tests that compare against it
+    launch run.sh themselves."""
     out = str(tmp_path_factory.mktemp("straight"))
-    run(["./run.sh", "--epochs", "2", *SLOW_ARGS],
-        env={"DATA": data24, "OUTPUT_DIR": out, "NPROC": "2", "MASTER_PORT": str(free_port())})
+    finish_ranks(fork_ranks(["--data", data24, "--output-dir", out, "--resume", "auto", "-b", "8", "--accum-steps",
+                             "1", "--epochs", "2", *SLOW_ARGS], str(tmp_path_factory.mktemp("straight_logs"))))
     return out
 
 

@@ -1,5 +1,6 @@
 """Nothing lost: exact resume, preemption, a killed or hung rank, bad checkpoints, a diverging loss.
-Each runs main.py as a user would (run.sh or plain processes), on the CPU with gloo."""
+Each runs main.py on the CPU with gloo: as a user would (run.sh, plain processes) where the launch or the signals
+are the point, else in this process or in forked ranks (conftest.fork_ranks)."""
 import contextlib
 import json
 import os
@@ -15,7 +16,7 @@ import pytest
 import torch
 
 from harness import checkpoints, job, recovery, stops
-from conftest import ROOT, SLOW_ARGS, TRAIN_ARGS, free_port, processes_mentioning, run
+from conftest import ROOT, SLOW_ARGS, TRAIN_ARGS, finish_ranks, fork_ranks, free_port, processes_mentioning
 
 PY = sys.executable
 CPU_ENV = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
@@ -93,24 +94,10 @@ def _workers(out):
     return pids
 
 
-def test_resume_at_epoch_boundary_is_bitwise_identical(data24, straight, tmp_path):
-    # A job of --epochs 2 that ended after epoch 0 leaves what the straight run left then: its previous
-    # checkpoint (epoch 0 done) and epoch 0's metrics.
-    out = str(tmp_path / "out")
-    os.makedirs(out)
-    shutil.copy(os.path.join(straight, "checkpoint.prev.pth"), os.path.join(out, "checkpoint.pth"))
-    with open(os.path.join(straight, "metrics.jsonl")) as f, open(os.path.join(out, "metrics.jsonl"), "w") as g:
-        g.write(f.readline())
-    assert _checkpoint(out)["epoch"] == 1 and _checkpoint(out)["step"] == 0
-    log = run(["./run.sh", "--epochs", "2", "--resume", "auto", *SLOW_ARGS], env=_env(data24, out))
-    assert "resuming from" in log and "at the start of epoch 1" in log
-    _assert_same_weights(straight, out)
-    for mine, reference in zip(_metrics(out), _metrics(straight), strict=True):
-        for key in ("epoch", "train_loss", "lr", "miou", "iou"):
-            assert mine[key] == reference[key], key
-
-
 def test_preempted_mid_epoch_resumes_at_next_batch_and_matches(data24, straight, tmp_path):
+    """A job stopped twice mid-epoch (a scheduler's signal, then its terminal closing) goes on from the next batch
+    each time, and ends with the weights of the straight run. Launches: run.sh, torchrun and the signals they take
+    and pass on are the point."""
     out = str(tmp_path / "out")
     env = _env(data24, out)
     # SIGUSR1, as Slurm's --signal=USR1@120 sends it, to one worker and to torchrun (the other worker gets none: the
@@ -147,7 +134,11 @@ def test_preempted_mid_epoch_resumes_at_next_batch_and_matches(data24, straight,
     second = _checkpoint(out)
     assert second["epoch"] == 1 and 2 <= second["step"] < 6, second["step"]
 
-    log = run(["./run.sh", "--epochs", "2", "--resume", "auto", *SLOW_ARGS], env={**env, "MASTER_PORT": str(free_port())})
+    # The end of the run: the workers' line (run.sh's -b and --accum-steps first) in forked ranks; run.sh's part, the
+    # stops and the resume after each, is above.
+    log = finish_ranks(fork_ranks(["--data", data24, "--output-dir", out, "--resume", "auto", "-b", "8",
+                                   "--accum-steps", "1", "--epochs", "2", "--resume", "auto", *SLOW_ARGS],
+                                  str(tmp_path / "logs")))[0]
     assert f"epoch 1 step {second['step'] + 1}/6" in log
     _assert_same_weights(straight, out)  # two interruptions, the same weights as no interruption
     for mine, reference in zip(_metrics(out), _metrics(straight), strict=True):
@@ -156,7 +147,10 @@ def test_preempted_mid_epoch_resumes_at_next_batch_and_matches(data24, straight,
 
 
 def test_second_signal_exits_at_once(data24, tmp_path):
-    # Crops of 512: a step of about 2 s, so the second signal comes before the first is acted on.
+    """A launch: main.py's signal handlers in a process of its own, which the second signal ends by its default
+    action."""
+    # Crops of 512: a step of about 2 s with the tests' tiny model, so the second signal comes before the first is
+    # acted on.
     slow = [a if a != "32" else "512" for a in TRAIN_ARGS]
     process = _start([PY, "main.py", "--data", data24, "--output-dir", str(tmp_path), "--epochs", "50", *slow], {})
     _wait_for(process, "step 1/")
@@ -184,36 +178,54 @@ def test_resume_with_another_number_of_processes(data24, straight, tmp_path, cap
 
 
 def test_torchrun_restarts_a_killed_worker_and_the_run_finishes(data24, tmp_path):
+    """SIGKILL to rank 0's worker of run.sh's two mid-epoch: rank 1 names it as gone, rank 0 being the process that
+    serves the store the ranks met at (run.sh's), before torchrun stops rank 1 to restart both; the restarted
+    workers resume and finish. A launch: run.sh's torchrun, its store and its restarts are the point."""
     out = str(tmp_path / "out")
-    process = _start(["./run.sh", "--epochs", "3", *SLOW_ARGS], _env(data24, out, MAX_RESTARTS="2"))
+    process = _start(["./run.sh", "--epochs", "3", "--dist-timeout", "0.15", *SLOW_ARGS],
+                     _env(data24, out, MAX_RESTARTS="2"))
     _wait_for(process, "epoch 1 step 2/6")
-    os.kill(min(_workers(out)), signal.SIGKILL)
+    os.kill(min(_workers(out)), signal.SIGKILL)  # rank 0: torchrun starts local rank 0 first
     log = process.communicate(timeout=180)[0]
     assert process.returncode == 0, log
+    _assert_named_gone(log, killed=0)
     assert "restart 1 by torchrun" in log, log
     assert [r["epoch"] for r in _metrics(out)] == [0, 1, 2]  # each epoch once, none lost
     assert _checkpoint(out)["epoch"] == 3  # the final checkpoint is after the last epoch
 
 
+def _wait_in_file(path, text, timeout=120):
+    """Read a file another process writes until it holds text; -> what it held."""
+    deadline = time.time() + timeout
+    while True:
+        with open(path) as f:
+            seen = f.read()
+        if text in seen:
+            return seen
+        assert time.time() < deadline, f"{text!r} never appeared:\n{seen}"
+        time.sleep(0.05)
+
+
 def test_a_hung_peer_ends_the_job_naming_the_rank(data24, tmp_path):
-    port, out = str(free_port()), str(tmp_path / "out")
-    processes = []
-    for rank in range(2):
-        env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "RANK": str(rank), "WORLD_SIZE": "2",
-               "LOCAL_RANK": str(rank)}
-        processes.append(_start([PY, "main.py", "--data", data24, "--output-dir", out, "--epochs", "5",
-                                 "--dist-timeout", "0.15", *SLOW_ARGS], env))
+    """Two ranks (forked: which launcher started them is not the point); rank 1 stopped mid-epoch, alive but
+    answering nothing: rank 0 names it within --dist-timeout and ends."""
+    out = str(tmp_path / "out")
+    ranks = fork_ranks(["--data", data24, "--output-dir", out, "--epochs", "5", "--dist-timeout", "0.15",
+                        *SLOW_ARGS], str(tmp_path / "logs"))
     try:
-        _wait_for(processes[0], "step 2/")
-        processes[1].send_signal(signal.SIGSTOP)  # alive, but answers nothing: a hang
+        _wait_in_file(ranks[0].output, "step 2/")
+        os.kill(ranks[1].process.pid, signal.SIGSTOP)  # alive, but answers nothing: a hang
         start = time.time()
-        log = processes[0].communicate(timeout=60)[0]
+        ranks[0].process.join(timeout=60)
         assert time.time() - start < 40  # the 9 s timeout, not forever
-        assert processes[0].returncode != 0
+        with open(ranks[0].output) as f:
+            log = f.read()
+        assert ranks[0].process.exitcode not in (0, None), log
         assert "rank 1 silent" in log and "No checkpoint was written yet: run the same command again" in log, log
     finally:
-        processes[1].kill()
-        processes[1].communicate()
+        for rank in ranks:
+            rank.process.kill()  # (SIGKILL ends a stopped process too)
+            rank.process.join()
 
 
 def test_bad_checkpoints_get_one_clear_line_and_auto_falls_back(data24, straight, tmp_path, capfd):
@@ -235,14 +247,14 @@ def test_bad_checkpoints_get_one_clear_line_and_auto_falls_back(data24, straight
 
     result = _fails_in_process(common + ["-e", "--resume", str(tmp_path / "good.pth"), "--model",
                                          "deeplabv3_mobilenet_v3_large"], capfd)
-    assert "holds a deeplabv3plus_mobilenet_v3_large model" in result and "--model" in result
+    assert "holds a deeplabv3plus_mobilenet_tiny model" in result and "--model" in result
     checkpoint = torch.load(tmp_path / "good.pth", weights_only=True)  # as if trained on 21 classes
-    checkpoint["model"]["classifier.weight"] = torch.zeros(21, 256, 1, 1)
+    checkpoint["model"]["classifier.weight"] = torch.zeros(21, 32, 1, 1)
     checkpoint["args"].pop("model")
     checkpoint.pop("classes")  # (names for 19 beside a classifier of 21 would be refused as such, before the fit)
     torch.save(checkpoint, tmp_path / "other.pth")
     result = _fails_in_process(common + ["-e", "--resume", str(tmp_path / "other.pth")], capfd)
-    assert "does not fit" in result and "classifier.weight (21, 256, 1, 1) vs (19, 256, 1, 1)" in result
+    assert "does not fit" in result and "classifier.weight (21, 32, 1, 1) vs (19, 32, 1, 1)" in result
 
 
 def test_a_diverging_loss_stops_and_keeps_the_last_good_checkpoint(tiny_data, trained, tmp_path, capfd):
@@ -376,6 +388,7 @@ def test_bad_file_found_when_read_names_it(case, tiny_data, tmp_path, capfd):
 
 
 def test_run_sh_stops_a_mistake_before_torchrun_with_one_line(tiny_data, tmp_path):
+    """A launch: run.sh's check in front of torchrun is the point."""
     result = subprocess.run(["./run.sh", *TRAIN_ARGS, "--amp", "fp16"], cwd=ROOT, capture_output=True, text=True,
                             env={**CPU_ENV, **_env(tiny_data, str(tmp_path / "out"))}, timeout=120)
     output = result.stdout + result.stderr
@@ -396,6 +409,7 @@ def _file_read_by_rank(root, rank, world_size=2, seed=0):
 
 
 def test_a_bad_file_on_rank_1_is_named_by_rank_1_once_and_restarts_do_not_repeat_it(data24, tmp_path):
+    """A launch: run.sh's torchrun, its report and its restarts are the point."""
     data = _copy_data(data24, tmp_path)
     path = _file_read_by_rank(data, rank=1)
     with open(path, "r+b") as f:  # the header is whole (run.sh's check passes), the pixels are not
@@ -416,7 +430,8 @@ def test_a_bad_file_on_rank_1_is_named_by_rank_1_once_and_restarts_do_not_repeat
 
 def test_a_resumed_epoch_uses_the_persistent_workers_and_no_others(data24, straight, tmp_path):
     """A run resumed in the middle of an epoch trains with -j workers, not -j more, and evaluation's
-    workers do not stay beside the training ones."""
+    workers do not stay beside the training ones. A process of its own: its children are its DataLoaders'
+    workers alone."""
     out = str(tmp_path / "out")
     os.makedirs(out)
     checkpoint = _checkpoint(straight, "checkpoint.prev.pth")  # epoch 0 done, by 2 processes of 2 images
@@ -474,7 +489,7 @@ def test_only_collective_failures_are_taken_for_a_lost_peer(tmp_path):
 
 def test_a_mistake_under_torchrun_is_said_once_and_not_restarted(tiny_data, tmp_path):
     """The general rule, without run.sh's check in front: a flag mistake meets every rank; rank 0 says it,
-    once, and torchrun's restarts do not say it again."""
+    once, and torchrun's restarts do not say it again. A launch: torchrun and its restarts are the point."""
     result = subprocess.run([PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--max-restarts=1",
                              "main.py", "--data", tiny_data, "--output-dir", str(tmp_path / "out"), *TRAIN_ARGS,
                              "--amp", "fp16"], cwd=ROOT, env=CPU_ENV, capture_output=True, text=True, timeout=120)
@@ -504,8 +519,9 @@ def test_a_checkpoint_in_the_earlier_layout_still_resumes_evaluates_and_predicts
     import main
     import predict
     state = torch.load(os.path.join(trained, "checkpoint.pth"), weights_only=True)
+    # (batch_size now lives in args alone; the model named is the one whose weights these are: the tests' tiny one)
     old = {key: state[key] if key in state else state["args"][key] for key in LAYOUT_2026_11} | {
-        "args": dict(ARGS_2026_11)}  # (batch_size now lives in args alone)
+        "args": ARGS_2026_11 | {"model": state["args"]["model"]}}
     out = str(tmp_path / "out")
     os.makedirs(out)
     torch.save(old, os.path.join(out, "checkpoint.pth"))
@@ -617,19 +633,24 @@ def test_the_rendezvous_state_run_sh_s_wait_reads_is_still_torch_s():
     assert {"complete", "participants"} <= fields, f"_RendezvousState has no complete or participants: {fields}"
 
 
-@pytest.mark.parametrize("killed", [0, 1])
-def test_a_killed_rank_is_named_gone_by_the_rank_that_outlives_it(killed, data24, tmp_path):
-    """SIGKILL to one worker of run.sh's two mid-epoch, no restart allowed: the other names it as gone, rank 0 too,
-    whose process serves the store the ranks met at (run.sh's), not as alive or stuck. A launch: run.sh's torchrun
-    and its store are the point."""
+def _assert_named_gone(log, killed):
+    """One error line, by the rank that outlived the killed one, naming it as gone, not as alive or stuck."""
+    errors = [line for line in log.splitlines() if line.startswith("main.py: error:")]
+    assert len(errors) == 1, log
+    assert errors[0].startswith(f"main.py: error: rank {1 - killed}: a collective failed"), errors[0]
+    assert f"rank {killed}'s process is gone (killed, or it failed" in errors[0], errors[0]
+    assert "alive" not in errors[0] and "never reported" not in errors[0], errors[0]
+
+
+def test_a_killed_rank_is_named_gone_by_the_rank_that_outlives_it(data24, tmp_path):
+    """SIGKILL to rank 1's worker of run.sh's two mid-epoch, no restart allowed: rank 0 names it as gone, and the
+    job fails. (Rank 0 killed, rank 1 naming it: the restart test.) A launch: run.sh's torchrun and its store are
+    the point."""
     out = str(tmp_path / "out")
     process = _start(["./run.sh", "--epochs", "3", "--dist-timeout", "0.15", *SLOW_ARGS],
                      _env(data24, out, MAX_RESTARTS="0"))
     _wait_for(process, "epoch 0 step 2/6")
-    os.kill(sorted(_workers(out))[killed], signal.SIGKILL)  # torchrun starts local rank 0 first
+    os.kill(max(_workers(out)), signal.SIGKILL)  # rank 1: torchrun starts local rank 0 first
     log = process.communicate(timeout=120)[0]
-    errors = [line for line in log.splitlines() if line.startswith("main.py: error:")]
-    assert process.returncode != 0 and len(errors) == 1, log
-    assert errors[0].startswith(f"main.py: error: rank {1 - killed}: a collective failed"), errors[0]
-    assert f"rank {killed}'s process is gone (killed, or it failed" in errors[0], errors[0]
-    assert "alive" not in errors[0] and "never reported" not in errors[0], errors[0]
+    assert process.returncode != 0, log
+    _assert_named_gone(log, killed=1)
