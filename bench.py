@@ -128,7 +128,7 @@ def bench_prefetch(root, crop, batch, steps):
 
 # --- the CPU: DDP scaling and loop overhead ----------------------------------------------------------------
 MODEL = "deeplabv3plus_mobilenet_v3_large"
-# --quick checks that every figure is measured, not the figures: models.py's tiny DeepLabV3+ (0.55 M parameters)
+# --quick checks that every figure is measured, not the figures: models.py's tiny DeepLabV3+ (0.56 M parameters)
 # takes a fraction of the big one's time a step.
 QUICK_MODEL = "deeplabv3plus_mobilenet_tiny"
 
@@ -371,8 +371,14 @@ def run_main(nproc, argv, env, quick=False):
         with tempfile.TemporaryDirectory() as tmp:
             log = os.path.join(tmp, "rank")
             try:
-                mp.start_processes(_forked_main, args=(nproc, argv, env, _free_port(), log), nprocs=nproc, join=True,
-                                   start_method="fork")
+                ranks = mp.start_processes(_forked_main, args=(nproc, argv, env, _free_port(), log), nprocs=nproc,
+                                           join=False, start_method="fork")
+                deadline = time.time() + 600  # a rank that hangs ends the run in minutes: the suite runs this
+                while not ranks.join(timeout=5):
+                    if time.time() > deadline:
+                        for process in ranks.processes:
+                            process.kill()
+                        raise SystemExit(f"bench.py: main.py's forked ranks did not end within 600 s: {argv}")
             except (mp.ProcessExitedException, mp.ProcessRaisedException) as error:
                 said = "".join(open(f"{log}.{rank}").read()[-2000:] for rank in range(nproc)
                                if os.path.exists(f"{log}.{rank}"))

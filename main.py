@@ -57,7 +57,7 @@ def get_args_parser():
     parser.add_argument("--data", default="data/cityscapes", help="Cityscapes (leftImg8bit/, gtFine/) or your own "
                         "data (images/, masks/, classes.json) (default: %(default)s)")
     parser.add_argument("--model", choices=MODEL_NAMES, metavar="NAME", help="deeplabv3[plus]_resnet50, _resnet101 or "
-                        "_mobilenet_v3_large; deeplabv3plus_mobilenet_tiny for tests (default: deeplabv3plus_resnet101; "
+                        "_mobilenet_v3_large; deeplabv3plus_mobilenet_tiny: tests (default: deeplabv3plus_resnet101; "
                         "with --resume: the checkpoint's)")
     parser.add_argument("--output-stride", type=int, choices=(8, 16), help="(default: 16; with --resume: the "
                         "checkpoint's)")

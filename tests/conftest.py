@@ -156,8 +156,10 @@ def _run_rank(argv, environment, output):
         import main
         main.main(main.get_args_parser().parse_args(argv))
         code = 0
-    except SystemExit as stop:
-        code = stop.code if isinstance(stop.code, int) else 1
+    except SystemExit as stop:  # as Python ends on it: None is 0, a number itself, anything else said and 1
+        code = 0 if stop.code is None else stop.code if isinstance(stop.code, int) else 1
+        if not isinstance(stop.code, (int, type(None))):
+            print(stop.code, file=sys.stderr)
     except BaseException:
         traceback.print_exc()
     finally:
@@ -180,6 +182,7 @@ def fork_ranks(argv, outputs, world_size=2):
                        "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
                        "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
         output = os.path.join(outputs, f"rank_{rank}.log")
+        open(output, "w").close()  # there before the rank starts: a test may read it at once
         process = context.Process(target=_run_rank, args=(argv, environment, output))
         process.start()
         ranks.append(ForkedRank(process, output))
@@ -191,10 +194,11 @@ def finish_ranks(ranks, timeout=240):
     deadline = time.time() + timeout
     for rank in ranks:
         rank.process.join(timeout=max(0, deadline - time.time()))
+    for rank in ranks:  # every rank ended first (one still running after the timeout killed), then their logs read
+        rank.process.kill()
+        rank.process.join()
     said = []
     for rank in ranks:
-        rank.process.kill()  # (one still running after the timeout)
-        rank.process.join()
         with open(rank.output) as f:
             said.append(f.read())
     if any(rank.process.exitcode != 0 for rank in ranks):

@@ -45,7 +45,7 @@ def _manual_launch(out, data):
 @pytest.mark.parametrize("form", ["launch", "local_rank", "plain"])  # torchrun: run.sh's tests and test_lesson.py
 def test_each_launch_form_trains_and_evaluates(form, tiny_data, tmp_path, capsys):
     """Each way of starting main.py, the launcher being the point: torch.distributed.launch and a process per rank
-    by hand start real processes; the plain form needs none."""
+    by hand start real processes; the plain form runs main.main in this process."""
     out = str(tmp_path / "out")
     common = ["main.py", "--data", tiny_data, "--output-dir", out, "--epochs", "1", *TRAIN_ARGS]
     port = f"--master_port={free_port()}"
@@ -167,8 +167,8 @@ def test_run_sh_starts_the_python_PYTHON_names_and_says_in_python_s_words_why_it
     before any step. A Python that fails before it imports torch (PYTHONHASHSEED=abc ends it as it starts) is named
     with what Python said, not taken for a missing PyTorch; a Python without torch is told to install it, or to name
     the one that has it. Both advices are then followed in one run, the only one that imports torch (twice: the GPU
-    count, main.py's check): it differs from each failed run in that run's one variable alone, so each followed
-    advice is what got past its mistake. run.sh counts the GPUs and runs main.py's check with the Python PYTHON
+    count, main.py's check): it differs from each of the two runs that gave advice in that run's one variable alone,
+    so each followed advice is what got past its mistake. run.sh counts the GPUs and runs main.py's check with the Python PYTHON
     names, as its tests train with it; main.py's own line about a flag proves the check ran, torch imported."""
     assert shutil.which("python") is None and shutil.which("python3") is None, os.environ["PATH"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DATA": tiny_data, "OUTPUT_DIR": str(tmp_path / "out")}

@@ -310,8 +310,9 @@ def test_run_sh_variables_are_checked_before_anything_runs(variables, expect, pr
 
 
 def test_run_sh_reads_a_leading_zero_as_decimal(tiny_data, tmp_path):
-    """bash's arithmetic would read NPROC=010 as eight processes (and NPROC=08 as an error): ten are counted. A
-    stand-in for Python records what run.sh starts (no torch to import: run.sh's own arithmetic is the point)."""
+    """bash's arithmetic would read NPROC=010 as eight processes (and NPROC=08 as an error): ten are counted, and
+    eight. A stand-in for Python records what run.sh starts (no torch to import: run.sh's own arithmetic is the
+    point)."""
     log, fake = tmp_path / "started", tmp_path / "python"
     fake.write_text('#!/bin/bash\necho "$*" >> "$FAKE_LOG"\n')
     fake.chmod(0o755)
@@ -326,6 +327,15 @@ def test_run_sh_reads_a_leading_zero_as_decimal(tiny_data, tmp_path):
         assert check.endswith(f" --check-only {counted}"), check  # main.py's check is told the whole world size
         assert f"--nproc_per_node {counted} " in launch, launch
 
+
+
+def test_under_run_sh_too_many_processes_name_its_variables(tiny_data, tmp_path, monkeypatch, capsys):
+    """main.py's check as run.sh runs it (DEEPLAB_RUN_SH=1, the world size run.sh counted): the advice names what the
+    user sets there, NPROC and NNODES, not a flag. In-process: the line is main.py's."""
+    monkeypatch.setenv("DEEPLAB_RUN_SH", "1")
+    line = _main_fails(["--data", tiny_data, "--output-dir", str(tmp_path / "out"), *TRAIN_ARGS, "--check-only", "10"],
+                       capsys)
+    assert line == "main.py: error: 10 processes but only 5 val images: use at most 5 processes in all (NPROC x NNODES)"
 
 # --- nothing the user made is written over: what a command reads, and where it writes -------------------------
 def _fingerprint(*folders):
@@ -531,6 +541,8 @@ def test_pretrained_weights_are_fetched_only_for_a_fresh_start(tiny_data, traine
                                                             "2"]))  # a resumed run's preflight
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # a torchrun restart: continues from its checkpoint
     main.main(main.get_args_parser().parse_args(imagenet + ["--epochs", "1"]))
+    # (With the tests' tiny model a fetch would not reach get_state_dict: models.py refuses imagenet for it first, and
+    # main.main above would have ended in that error instead: each of the three runs finishing is the proof.)
     assert fetched == []
     monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT")
     fresh = imagenet[:3] + [str(tmp_path / "fresh")] + imagenet[4:] + ["--check-only", "2"]
