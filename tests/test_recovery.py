@@ -177,17 +177,24 @@ def test_resume_with_another_number_of_processes(data24, straight, tmp_path, cap
     assert records[0]["lr"] == pytest.approx(0.1 * (1 - 23 / 24) ** 0.9)  # the default --lr
 
 
+def _kill_a_worker(data, out, rank, at, max_restarts):
+    """run.sh on two processes for 3 epochs; SIGKILL to rank's worker once a line holds `at`. -> (exit status, what
+    it printed)."""
+    process = _start(["./run.sh", "--epochs", "3", "--dist-timeout", "0.15", *SLOW_ARGS],
+                     _env(data, out, MAX_RESTARTS=str(max_restarts)))
+    _wait_for(process, at)
+    os.kill(sorted(_workers(out))[rank], signal.SIGKILL)  # torchrun starts local rank 0 first: the lower PID
+    log = process.communicate(timeout=180)[0]
+    return process.returncode, log
+
+
 def test_torchrun_restarts_a_killed_worker_and_the_run_finishes(data24, tmp_path):
     """SIGKILL to rank 0's worker of run.sh's two mid-epoch: rank 1 names it as gone, rank 0 being the process that
     serves the store the ranks met at (run.sh's), before torchrun stops rank 1 to restart both; the restarted
     workers resume and finish. A launch: run.sh's torchrun, its store and its restarts are the point."""
     out = str(tmp_path / "out")
-    process = _start(["./run.sh", "--epochs", "3", "--dist-timeout", "0.15", *SLOW_ARGS],
-                     _env(data24, out, MAX_RESTARTS="2"))
-    _wait_for(process, "epoch 1 step 2/6")
-    os.kill(min(_workers(out)), signal.SIGKILL)  # rank 0: torchrun starts local rank 0 first
-    log = process.communicate(timeout=180)[0]
-    assert process.returncode == 0, log
+    status, log = _kill_a_worker(data24, out, rank=0, at="epoch 1 step 2/6", max_restarts=2)
+    assert status == 0, log
     _assert_named_gone(log, killed=0)
     assert "restart 1 by torchrun" in log, log
     assert [r["epoch"] for r in _metrics(out)] == [0, 1, 2]  # each epoch once, none lost
@@ -646,11 +653,6 @@ def test_a_killed_rank_is_named_gone_by_the_rank_that_outlives_it(data24, tmp_pa
     """SIGKILL to rank 1's worker of run.sh's two mid-epoch, no restart allowed: rank 0 names it as gone, and the
     job fails. (Rank 0 killed, rank 1 naming it: the restart test.) A launch: run.sh's torchrun and its store are
     the point."""
-    out = str(tmp_path / "out")
-    process = _start(["./run.sh", "--epochs", "3", "--dist-timeout", "0.15", *SLOW_ARGS],
-                     _env(data24, out, MAX_RESTARTS="0"))
-    _wait_for(process, "epoch 0 step 2/6")
-    os.kill(max(_workers(out)), signal.SIGKILL)  # rank 1: torchrun starts local rank 0 first
-    log = process.communicate(timeout=120)[0]
-    assert process.returncode != 0, log
+    status, log = _kill_a_worker(data24, str(tmp_path / "out"), rank=1, at="epoch 0 step 2/6", max_restarts=0)
+    assert status != 0, log
     _assert_named_gone(log, killed=1)
