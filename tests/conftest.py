@@ -73,14 +73,16 @@ def pytest_unconfigure(config):
     shutil.rmtree(links, ignore_errors=True)
 
 
-def processes_mentioning(text):
-    """PIDs of processes whose command line contains text (a test's own folder)."""
+def processes_mentioning(text, *more):
+    """PIDs of processes whose command line contains text (a test's own folder) and each of more: with parallel
+    workers (pytest -n), another test's processes run beside this one's, and only the folder tells them apart."""
     pids = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if text.encode() in f.read() and int(pid) != os.getpid():
-                    pids.append(int(pid))
+                line = f.read()
+            if all(part.encode() in line for part in (text, *more)) and int(pid) != os.getpid():
+                pids.append(int(pid))
         except OSError:
             pass
     return pids

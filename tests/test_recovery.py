@@ -432,7 +432,9 @@ def test_a_bad_file_on_rank_1_is_named_by_rank_1_once_and_restarts_do_not_repeat
     assert errors[0].startswith("main.py: error: rank 1: ") and path in errors[0], output
     assert output.index(errors[0]) < output.index("ChildFailedError"), output  # the program's line first
     assert output.count("Traceback") == 1 and "torch/distributed/run.py" in output, output  # torchrun's report only
-    assert time.time() - start < 60, output  # the restarts end at once
+    # The restart ends at once, not after the 5-minute --dist-timeout a rank waiting for the failed one would take
+    # (about 30 s alone on 2 cores, 50 s beside another test's processes: pytest -n 2).
+    assert time.time() - start < 150, output
 
 
 def test_a_resumed_epoch_uses_the_persistent_workers_and_no_others(data24, straight, tmp_path):
