@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT, SLOW_ARGS, TRAIN_ARGS, free_port, run
+from conftest import ROOT, SLOW_ARGS, TRAIN_ARGS, finish_ranks, fork_ranks, free_port, run
 import main
 
 PY = sys.executable
@@ -74,9 +74,9 @@ def test_run_sh_resumes_by_itself_bitwise_where_a_run_left_off_and_evaluates_its
     """run.sh's launches are the point. A job of --epochs 2 that ended after epoch 0 leaves what the straight run
     (conftest) left then: its previous checkpoint and epoch 0's line of metrics. The same ./run.sh line again resumes
     by itself (run.sh passes --resume auto) at the start of epoch 1, on 2 processes, and ends with bitwise the
-    straight run's weights and metrics; ./run.sh -e evaluates that checkpoint to the same mIoU. (A first run.sh of
-    --epochs 1 could not be compared: its poly schedule spans one epoch, its learning rates are another run's. run.sh
-    starting from nothing is the demo's test.)"""
+    straight run's weights and metrics; evaluated (-e) on two ranks, that checkpoint gives the same mIoU. (A first
+    run.sh of --epochs 1 could not be compared: its poly schedule spans one epoch, its learning rates are another
+    run's. run.sh starting from nothing is the demo's test.)"""
     records = _metrics(straight)  # the straight run began from nothing: what such a run writes
     assert [r["epoch"] for r in records] == [0, 1]
     for name in ("checkpoint.pth", "best.pth", "vis/epoch_000.png"):
@@ -107,9 +107,12 @@ def test_run_sh_resumes_by_itself_bitwise_where_a_run_left_off_and_evaluates_its
         for key in ("epoch", "train_loss", "lr", "miou", "iou"):
             assert record[key] == straight_record[key], key
 
+    # Evaluated on the line run.sh gives its two workers for -e, in forked ranks: `./run.sh -e --resume ...` itself,
+    # as the README writes it, is run by the docs walk (tests/walk_docs.py), on the demo's checkpoint.
     predictions = str(tmp_path / "predictions")
-    run(["./run.sh", "-e", "--resume", os.path.join(out, "checkpoint.pth"), "--save-predictions", predictions,
-         *TRAIN_ARGS], env=env)
+    finish_ranks(fork_ranks(["--data", data24, "--output-dir", out, "--resume", "auto", "-b", "8", "--accum-steps",
+                             "1", "-e", "--resume", os.path.join(out, "checkpoint.pth"), "--save-predictions",
+                             predictions, *TRAIN_ARGS], str(tmp_path / "logs")))
     with open(os.path.join(out, "eval.json")) as f:
         result = json.load(f)
     assert result["num_images"] == 3 and 0 <= result["miou"] <= 1
@@ -168,8 +171,10 @@ def test_run_sh_starts_the_python_PYTHON_names_and_says_in_python_s_words_why_it
     with what Python said, not taken for a missing PyTorch; a Python without torch is told to install it, or to name
     the one that has it. Both advices are then followed in one run, the only one that imports torch (twice: the GPU
     count, main.py's check): it differs from each of the two runs that gave advice in that run's one variable alone,
-    so each followed advice is what got past its mistake. run.sh counts the GPUs and runs main.py's check with the Python PYTHON
-    names, as its tests train with it; main.py's own line about a flag proves the check ran, torch imported."""
+    so each followed advice is what got past its mistake. run.sh counts the GPUs and runs main.py's check with the
+    Python PYTHON names, as its tests train with it; main.py's own line about a flag proves the check ran, torch
+    imported, and that it is all run.sh printed proves the check stopped the mistake in front of torchrun: no worker
+    started, none restarted."""
     assert shutil.which("python") is None and shutil.which("python3") is None, os.environ["PATH"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DATA": tiny_data, "OUTPUT_DIR": str(tmp_path / "out")}
     env.pop("CUDA_VISIBLE_DEVICES", None)  # not hidden: run.sh counts the GPUs, with Python too

@@ -394,16 +394,6 @@ def test_bad_file_found_when_read_names_it(case, tiny_data, tmp_path, capfd):
     assert line.startswith("main.py: error: ") and path in line, line
 
 
-def test_run_sh_stops_a_mistake_before_torchrun_with_one_line(tiny_data, tmp_path):
-    """A launch: run.sh's check in front of torchrun is the point."""
-    result = subprocess.run(["./run.sh", *TRAIN_ARGS, "--amp", "fp16"], cwd=ROOT, capture_output=True, text=True,
-                            env={**CPU_ENV, **_env(tiny_data, str(tmp_path / "out"))}, timeout=120)
-    output = result.stdout + result.stderr
-    assert result.returncode == 1 and "Traceback" not in output and "torch.distributed" not in output, output
-    assert [line for line in output.splitlines() if "error:" in line] == [
-        "main.py: error: --amp fp16 runs on CUDA only in this program; on the CPU use --amp bf16 or no --amp"]
-
-
 # --- defects found by reading (each of these failed before harness/recovery.py) ----------------------------------
 
 def _file_read_by_rank(root, rank, world_size=2, seed=0):
