@@ -68,7 +68,7 @@ WALK = {
             before="walk_readme_block"),
         # again (the Chinese quick start): "Running ./run.sh again carries on ..., or says there is nothing to train"
         Run(extra=" --epochs 2", expect=["nothing to train: output/demo/checkpoint.pth has finished 2 epochs"])],
-    "pip install -r requirements-test.txt && OMP_NUM_THREADS=1 python -m pytest -q tests": Skip(
+    "pip install -r requirements-test.txt && OMP_NUM_THREADS=1 python -m pytest -q -n 2 tests": Skip(
         "the suite itself: .ci/run runs it beside this walk"),
     "./run.sh -e --resume output/demo/best.pth": Run(expect=["wrote output/demo/eval.json"],
                                                       files=[f"{DEMO}/eval.json", f"{DEMO}/vis/eval.png"]),
