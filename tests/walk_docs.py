@@ -4,12 +4,15 @@ writes. Commands that need what this machine has not (GPUs, several machines, Sl
 listed below as skipped, with the reason; a command in the docs that the walk does not know fails it, and so
 does a command of the walk that the docs no longer have: the two cannot drift apart.
 
-    python tests/walk_docs.py              # all of it: about 5 minutes on 2 cores (.ci/run runs it)
+    python tests/walk_docs.py              # all of it: about 7 minutes on 2 cores (.ci/run runs it)
     python tests/walk_docs.py --list       # the commands, in order, and what the walk does with each
     python tests/walk_docs.py --keep DIR   # walk in DIR and leave it there, to look at what was written
 
-Where the docs allow it (arguments after ./run.sh go to main.py), the demo trains 2 epochs instead of 7, and the
-fine-tuning on your own data 1 instead of 3.
+Where the docs allow it (arguments after ./run.sh go to main.py), the demo trains 2 epochs instead of 7, the
+fine-tuning on your own data 1 instead of 3, and TensorBoard's run 1 epoch of models.py's tiny model (its curves are
+the point, not the demo's model again). Two commands run beside the others, on the second core: the Cityscapes
+scripts' install (it needs nothing the walk makes) from the start, and the ONNX export (nothing after it needs
+model.onnx); each is checked once it has ended, as every command is.
 """
 import argparse
 import os
@@ -27,10 +30,13 @@ SKIP_REAL = "needs the real Cityscapes in data/cityscapes, which cannot be downl
 SKIP_GPU = "needs CUDA GPUs"
 
 
-def Run(extra="", env=None, expect=(), files=(), status=0, before=None, timeout=300):
-    """A command the walk runs: `extra` appended to it, `expect` in what it prints, `files` there after it."""
+def Run(extra="", env=None, expect=(), files=(), status=0, before=None, timeout=300, early=False, alongside=False):
+    """A command the walk runs: `extra` appended to it, `expect` in what it prints, `files` there after it. `early`:
+    it needs nothing an earlier command makes, and starts with the walk, in the background; `alongside`: it starts
+    at its turn and the walk goes on beside it, no later command needing what it makes. Either is checked, as every
+    command, once it has ended (the walk waits for it at its turn, or at the end)."""
     return SimpleNamespace(skip=None, extra=extra, env=env or {}, expect=expect, files=files, status=status,
-                           before=before, timeout=timeout)
+                           before=before, timeout=timeout, early=early, alongside=alongside)
 
 
 def Skip(why):
@@ -92,7 +98,7 @@ WALK = {
         expect=["2 process(es)", "wrote 20 predictions"],
         files=["predictions/labelIds/berlin/berlin_000000_000019_leftImg8bit.png.png"]),
     "python predict.py --resume output/demo/best.pth --export model.onnx": Run(expect=["wrote model.onnx"],
-                                                                               files=["model.onnx"]),
+                                                                               files=["model.onnx"], alongside=True),
     # docs/your-data.md
     "python synthetic.py data/my_streets --layout folder --num-train 300 --num-val 60 --size 192 96": Run(
         files=["data/my_streets/classes.json", "data/my_streets/masks/val"]),
@@ -101,14 +107,15 @@ WALK = {
                            files=["output/my_streets/best.pth"]),
     # docs/tensorboard.md
     "pip install tensorboard": Run(),
-    "OUTPUT_DIR=output/watched ./run.sh --tensorboard": Run(extra=" --epochs 1", files=["output/watched/tensorboard"],
-                                                            expect=["done: best mIoU"]),
+    "OUTPUT_DIR=output/watched ./run.sh --tensorboard": Run(
+        extra=" --epochs 1 --model deeplabv3plus_mobilenet_tiny", files=["output/watched/tensorboard"],
+        expect=["done: best mIoU"]),
     "tensorboard --logdir output/watched": Skip("a server, which runs until stopped; the walk checks the event "
                                                 "files it shows (output/watched/tensorboard) instead"),
     # docs/memory.md: no command of its own (its settings are run.sh's, tested by the suite)
     # docs/cityscapes.md
     'python -m venv .venv-cityscapes && .venv-cityscapes/bin/pip install cityscapesscripts "numpy<2.4"': Run(
-        files=[".venv-cityscapes/bin/csEvalPixelLevelSemanticLabeling"]),
+        files=[".venv-cityscapes/bin/csEvalPixelLevelSemanticLabeling"], early=True),
     "torchrun --standalone --nproc_per_node=2 main.py -e --resume output/demo/best.pth --data "
     "data/cityscapes_synthetic --output-dir output/demo --save-predictions preds/": Run(
         expect=["wrote output/demo/eval.json and predictions to preds/", "it replaces the earlier one"],
@@ -167,7 +174,6 @@ def commands(folder, page):
 
 def walk(folder):
     """Run every command of the docs in folder (a fresh copy of the project), in order. -> [(page, command, how)]."""
-    done, said = [], {}
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
     env.pop("DEEPLAB_RUN_SH", None)
     unknown = [(page, command) for page in pages(folder) for command in commands(folder, page)
@@ -177,57 +183,81 @@ def walk(folder):
     seen = {command for page in pages(folder) for command in commands(folder, page)}
     gone = [command for command in WALK if command not in seen]
     assert not gone, "commands of the walk that the docs no longer have:\n" + "\n".join(gone)
-    times = {}
+    steps, times = [], {}  # (page, command, its step) in the order a reader meets them
     for page in pages(folder):
         for command in commands(folder, page):
             times[command] = times.get(command, 0) + 1
-            step = Skip("needs a Slurm cluster") if command == SLURM else _step(WALK[command], times[command])
-            if step.skip:
-                print(f"walk: {page}: skipped: {command[:90]} ({step.skip})", flush=True)
-                done.append((page, command, "skipped"))
-                continue
-            if step.before == "photos":
-                photos(folder)
-            print(f"walk: {page}: running: {command[:90]}", flush=True)
-            start = time.time()
-            returncode, output = _run(command + step.extra, folder, {**env, **step.env}, step.timeout)
-            said[command] = output
-            problems = []
-            if returncode != step.status:  # an exit status, or how the walk killed it
-                problems.append(f"exit {returncode}, documented {step.status}" if isinstance(returncode, int) else
-                                f"{returncode} (documented: exit {step.status})")
-            problems += [f"does not print {text!r}" for text in step.expect if text not in output]
-            problems += [f"did not write {path}" for path in step.files if not os.path.exists(os.path.join(folder, path))]
-            if not problems and step.before == "walk_readme_block":
-                where_things_are(folder, output)
-            if not problems and step.before == "same_miou":
-                problems += same_miou(folder, output)
-            assert not problems, f"{page}: {command + step.extra}: " + "; ".join(problems) + f"\n{output[-3000:]}"
-            print(f"walk: {page}: ran in {time.time() - start:.0f} s: {command[:90]}", flush=True)
-            done.append((page, command, f"{time.time() - start:.0f} s"))
+            steps.append((page, command, Skip("needs a Slurm cluster") if command == SLURM else
+                          _step(WALK[command], times[command])))
+    started = {}  # a step's index -> (its process, when it started)
+    for number, (page, command, step) in enumerate(steps):
+        if not step.skip and step.early:
+            print(f"walk: {page}: started with the walk: {command[:90]}", flush=True)
+            started[number] = _start(command + step.extra, folder, {**env, **step.env}), time.time()
+    done, beside = [], []
+    for number, (page, command, step) in enumerate(steps):
+        if step.skip:
+            print(f"walk: {page}: skipped: {command[:90]} ({step.skip})", flush=True)
+            done.append((page, command, "skipped"))
+            continue
+        if step.before == "photos":
+            photos(folder)
+        if number not in started:
+            print(f"walk: {page}: running{' beside the next' if step.alongside else ''}: {command[:90]}", flush=True)
+            started[number] = _start(command + step.extra, folder, {**env, **step.env}), time.time()
+        if step.alongside:
+            beside.append((page, command, step, started[number]))
+        else:
+            done.append(_check(page, command, step, folder, *started[number]))
+    for page, command, step, running in beside:
+        done.append(_check(page, command, step, folder, *running))
     return done
 
 
-def _run(command, folder, env, timeout):
-    """bash -c command in folder -> (exit status, what it printed). Past timeout seconds, the command and every
+def _check(page, command, step, folder, running, start):
+    """Wait for a started command (to its timeout, counted from its start) and check it as its step documents it:
+    exit status, what it prints, what it writes. -> (page, command, how long)."""
+    process, output_file = running
+    returncode, output = _finish(process, output_file, folder, step.timeout - (time.time() - start))
+    problems = []
+    if returncode != step.status:  # an exit status, or how the walk killed it
+        problems.append(f"exit {returncode}, documented {step.status}" if isinstance(returncode, int) else
+                        f"{returncode} (documented: exit {step.status})")
+    problems += [f"does not print {text!r}" for text in step.expect if text not in output]
+    problems += [f"did not write {path}" for path in step.files if not os.path.exists(os.path.join(folder, path))]
+    if not problems and step.before == "walk_readme_block":
+        where_things_are(folder, output)
+    if not problems and step.before == "same_miou":
+        problems += same_miou(folder, output)
+    assert not problems, f"{page}: {command + step.extra}: " + "; ".join(problems) + f"\n{output[-3000:]}"
+    print(f"walk: {page}: ran in {time.time() - start:.0f} s: {command[:90]}", flush=True)
+    return page, command, f"{time.time() - start:.0f} s"
+
+
+def _start(command, folder, env):
+    """bash -c command in folder, started; what it prints goes to a file (a pipe that nobody reads while the walk
+    runs other commands would fill, and stop it). -> (the process, that file)."""
+    output_file = tempfile.TemporaryFile("w+", encoding="utf-8", errors="replace")
+    process = subprocess.Popen(["bash", "-c", command], cwd=folder, env=env, stdout=output_file,
+                               stderr=subprocess.STDOUT)
+    return process, output_file
+
+
+def _finish(process, output_file, folder, timeout):
+    """A started command's end -> (exit status, what it printed). Past timeout seconds, the command and every
     process working in the folder are killed (run.sh starts torchrun in a session of its own, so a process group
     is not enough) and the status is 'killed after N s': a command that hangs fails the walk, it does not hang it."""
-    process = subprocess.Popen(["bash", "-c", command], cwd=folder, env=env, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True)
     try:
-        output = process.communicate(timeout=timeout)[0]
-        return process.returncode, output
+        returncode = process.wait(timeout=max(timeout, 0))
     except subprocess.TimeoutExpired:
         process.kill()
         while _kill_working_in(folder):  # again, for any started while the last round looked
             time.sleep(0.5)
-        try:
-            output = process.communicate(timeout=30)[0]
-        except subprocess.TimeoutExpired as still:  # the pipe held open by a process elsewhere
-            output = still.output or ""
-            output = output.decode(errors="replace") if isinstance(output, bytes) else output
-            output += "\n(its output pipe is still held open by a process outside the walk's folder)"
-        return f"killed after {timeout} s", output
+        process.wait()
+        returncode = f"killed after {timeout:.0f} s"
+    with output_file:
+        output_file.seek(0)
+        return returncode, output_file.read()
 
 
 def _kill_working_in(folder):
@@ -298,6 +328,8 @@ def main():
     except AssertionError as error:
         sys.exit(f"walk_docs.py: FAILED: {error}")
     finally:
+        while _kill_working_in(folder):  # a command started early or alongside, still running when the walk failed
+            time.sleep(0.5)
         if not args.keep:
             shutil.rmtree(folder, ignore_errors=True)
     ran = sum(1 for _, _, how in done if how != "skipped")
