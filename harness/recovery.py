@@ -12,7 +12,9 @@ A mistake the user can fix (errors.UserError, images.BadInput, models.WeightsErr
 does not repeat it (a restart is for a lost process or peer, not for a bad file). Only global rank 0 logs
 progress and writes files. This module's state is job.RUN.guard.
 """
+import atexit
 import functools
+import gc
 import json
 import os
 import signal
@@ -105,6 +107,14 @@ def _begin(program, args):
     installed."""
     RUN.guard = job.Guard(program=program, args=args,
                           output_dir=getattr(args, "output_dir", None) if program == "main.py" else None)
+    # At exit the interpreter's last garbage collection walks every object torch and torchvision made: about 2 s of
+    # a process's 10 on a 2-core EPYC (docs/tests.md), in each worker, run.sh's check and predict.py. gc.freeze() at
+    # exit leaves them out of it (atexit runs before that collection). Nothing here needs it: Python does not promise
+    # to finalize what is alive at exit, files are closed by `with`, TensorBoard's writer by guard, and DataLoader
+    # workers by multiprocessing's own exit handler. (Unregistered first: a process that runs main() more than once,
+    # as the tests do, keeps one.)
+    atexit.unregister(gc.freeze)
+    atexit.register(gc.freeze)
     job.read_environment(program)
     if job.env().under_run_sh and signal.getsignal(signal.SIGTERM) == signal.SIG_IGN:
         # run.sh starts torchrun with SIGTERM ignored, and its workers inherit that: from here it is theirs again.
