@@ -10,11 +10,13 @@ does a command of the walk that the docs no longer have: the two cannot drift ap
 
 Where the docs allow it (arguments after ./run.sh go to main.py), the demo trains 2 epochs instead of 7, the
 fine-tuning on your own data 1 instead of 3, and TensorBoard's run 1 epoch of models.py's tiny model (its curves are
-the point, not the demo's model again). Two commands run beside the others, on the second core: the Cityscapes
-scripts' install (it needs nothing the walk makes) from the start, and the ONNX export (nothing after it needs
-model.onnx); each is checked once it has ended, as every command is.
+the point, not the demo's model again). Two commands run beside the others, using the core that their one-process
+stretches leave (imports, predict.py): the Cityscapes scripts' install (it needs nothing the walk makes) from the
+start, and the ONNX export (nothing after it reads model.onnx); each is checked once it has ended, as every command
+is, and killed if it runs past its time when the walk comes to check it.
 """
 import argparse
+import contextlib
 import os
 import re
 import shutil
@@ -22,6 +24,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from types import SimpleNamespace
 
@@ -75,7 +78,7 @@ WALK = {
         # again (the Chinese quick start): "Running ./run.sh again carries on ..., or says there is nothing to train"
         Run(extra=" --epochs 2", expect=["nothing to train: output/demo/checkpoint.pth has finished 2 epochs"])],
     "pip install -r requirements-test.txt && OMP_NUM_THREADS=1 python -m pytest -q -n 2 tests": Skip(
-        "the suite itself: .ci/run runs it beside this walk"),
+        "the suite itself: .ci/run runs it before this walk"),
     "./run.sh -e --resume output/demo/best.pth": Run(expect=["wrote output/demo/eval.json"],
                                                       files=[f"{DEMO}/eval.json", f"{DEMO}/vis/eval.png"]),
     "python predict.py --resume output/demo/best.pth data/cityscapes_synthetic/leftImg8bit/test --output-dir "
@@ -189,36 +192,40 @@ def walk(folder):
             times[command] = times.get(command, 0) + 1
             steps.append((page, command, Skip("needs a Slurm cluster") if command == SLURM else
                           _step(WALK[command], times[command])))
-    started = {}  # a step's index -> (its process, when it started)
-    for number, (page, command, step) in enumerate(steps):
-        if not step.skip and step.early:
-            print(f"walk: {page}: started with the walk: {command[:90]}", flush=True)
-            started[number] = _start(command + step.extra, folder, {**env, **step.env}), time.time()
-    done, beside = [], []
-    for number, (page, command, step) in enumerate(steps):
-        if step.skip:
-            print(f"walk: {page}: skipped: {command[:90]} ({step.skip})", flush=True)
-            done.append((page, command, "skipped"))
-            continue
-        if step.before == "photos":
-            photos(folder)
-        if number not in started:
-            print(f"walk: {page}: running{' beside the next' if step.alongside else ''}: {command[:90]}", flush=True)
-            started[number] = _start(command + step.extra, folder, {**env, **step.env}), time.time()
-        if step.alongside:
-            beside.append((page, command, step, started[number]))
-        else:
-            done.append(_check(page, command, step, folder, *started[number]))
-    for page, command, step, running in beside:
-        done.append(_check(page, command, step, folder, *running))
+    started, done, beside = {}, [], []  # started: a step's index -> its command, running or ended (_start)
+    try:
+        for number, (page, command, step) in enumerate(steps):
+            if not step.skip and step.early:
+                print(f"walk: {page}: started with the walk: {command[:90]}", flush=True)
+                started[number] = _start(command + step.extra, folder, {**env, **step.env})
+        for number, (page, command, step) in enumerate(steps):
+            if step.skip:
+                print(f"walk: {page}: skipped: {command[:90]} ({step.skip})", flush=True)
+                done.append((page, command, "skipped"))
+                continue
+            if step.before == "photos":
+                photos(folder)
+            if number not in started:
+                print(f"walk: {page}: running{' beside the next commands' if step.alongside else ''}: "
+                      f"{command[:90]}", flush=True)
+                started[number] = _start(command + step.extra, folder, {**env, **step.env})
+            if step.alongside:
+                beside.append((page, command, step, started[number]))
+            else:
+                done.append(_check(page, command, step, folder, started[number]))
+        for page, command, step, running in beside:
+            done.append(_check(page, command, step, folder, running))
+    finally:  # a command started early or alongside, still running when another failed: ended with the walk
+        for running in started.values():
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(running.process.pid, signal.SIGKILL)
     return done
 
 
-def _check(page, command, step, folder, running, start):
+def _check(page, command, step, folder, running):
     """Wait for a started command (to its timeout, counted from its start) and check it as its step documents it:
-    exit status, what it prints, what it writes. -> (page, command, how long)."""
-    process, output_file = running
-    returncode, output = _finish(process, output_file, folder, step.timeout - (time.time() - start))
+    exit status, what it prints, what it writes. -> (page, command, how long it ran)."""
+    returncode, output = _finish(running, folder, step.timeout)
     problems = []
     if returncode != step.status:  # an exit status, or how the walk killed it
         problems.append(f"exit {returncode}, documented {step.status}" if isinstance(returncode, int) else
@@ -230,34 +237,46 @@ def _check(page, command, step, folder, running, start):
     if not problems and step.before == "same_miou":
         problems += same_miou(folder, output)
     assert not problems, f"{page}: {command + step.extra}: " + "; ".join(problems) + f"\n{output[-3000:]}"
-    print(f"walk: {page}: ran in {time.time() - start:.0f} s: {command[:90]}", flush=True)
-    return page, command, f"{time.time() - start:.0f} s"
+    took = f"{running.end - running.start:.0f} s"
+    print(f"walk: {page}: ran in {took}: {command[:90]}", flush=True)
+    return page, command, took
 
 
 def _start(command, folder, env):
-    """bash -c command in folder, started; what it prints goes to a file (a pipe that nobody reads while the walk
-    runs other commands would fill, and stop it). -> (the process, that file)."""
-    output_file = tempfile.TemporaryFile("w+", encoding="utf-8", errors="replace")
-    process = subprocess.Popen(["bash", "-c", command], cwd=folder, env=env, stdout=output_file,
-                               stderr=subprocess.STDOUT)
-    return process, output_file
+    """bash -c command in folder, started in a process group of its own; what it prints goes to a file (a pipe that
+    nobody reads while the walk runs other commands would fill, and stop it); a thread notes when it ends. -> the
+    command's record: process, output, start, end (None while it runs), waiter (the thread)."""
+    output = tempfile.TemporaryFile("w+", encoding="utf-8", errors="replace")
+    process = subprocess.Popen(["bash", "-c", command], cwd=folder, env=env, stdout=output,
+                               stderr=subprocess.STDOUT, start_new_session=True)
+    running = SimpleNamespace(process=process, output=output, start=time.time(), end=None, waiter=None)
+
+    def note_the_end():
+        process.wait()
+        running.end = time.time()
+    running.waiter = threading.Thread(target=note_the_end, daemon=True)
+    running.waiter.start()
+    return running
 
 
-def _finish(process, output_file, folder, timeout):
-    """A started command's end -> (exit status, what it printed). Past timeout seconds, the command and every
-    process working in the folder are killed (run.sh starts torchrun in a session of its own, so a process group
-    is not enough) and the status is 'killed after N s': a command that hangs fails the walk, it does not hang it."""
-    try:
-        returncode = process.wait(timeout=max(timeout, 0))
-    except subprocess.TimeoutExpired:
-        process.kill()
+def _finish(running, folder, timeout):
+    """A started command's end -> (exit status, what it printed). One still running timeout seconds after it started
+    is killed when the walk comes to it (at its turn, or for one started early or alongside when the walk checks it),
+    with its process group and every process working in the folder (run.sh starts torchrun in a session of its own),
+    and its status is 'killed after N s': a command that hangs fails the walk, it does not hang it."""
+    running.waiter.join(max(0.0, running.start + timeout - time.time()))
+    if running.waiter.is_alive():
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(running.process.pid, signal.SIGKILL)
         while _kill_working_in(folder):  # again, for any started while the last round looked
             time.sleep(0.5)
-        process.wait()
-        returncode = f"killed after {timeout:.0f} s"
-    with output_file:
-        output_file.seek(0)
-        return returncode, output_file.read()
+        running.waiter.join()
+        returncode = f"killed after {timeout} s"
+    else:
+        returncode = running.process.returncode
+    with running.output:
+        running.output.seek(0)
+        return returncode, running.output.read()
 
 
 def _kill_working_in(folder):
@@ -302,8 +321,9 @@ def copy_project(target):
 def main():
     parser = argparse.ArgumentParser(prog="tests/walk_docs.py", description=__doc__.split("\n")[0])
     parser.add_argument("--list", action="store_true", help="the commands in order and what the walk does with each")
-    parser.add_argument("--keep", metavar="DIR", help="walk in DIR (new or empty) and leave it there (a command "
-                        "past its time is killed with every process working in DIR: keep no shell of yours there)")
+    parser.add_argument("--keep", metavar="DIR", help="walk in DIR (new or empty) and leave it there (every process "
+                        "working in DIR is killed when a command runs past its time and when the walk ends: keep no "
+                        "shell of yours there)")
     args = parser.parse_args()
     if args.list:
         times = {}
@@ -312,8 +332,10 @@ def main():
                 times[command] = times.get(command, 0) + 1
                 step = Skip("needs a Slurm cluster") if command == SLURM else \
                     _step(WALK[command], times[command]) if command in WALK else None
+                when = "" if step is None or step.skip else ", started with the walk" if step.early else \
+                    ", beside the next commands" if step.alongside else ""
                 how = "UNKNOWN to the walk" if step is None else f"skipped: {step.skip}" if step.skip else \
-                    f"run{' with' + step.extra if step.extra else ''}"
+                    f"run{' with' + step.extra if step.extra else ''}{when}"
                 print(f"{page}: {command}\n    {how}")
         return
     folder = args.keep or tempfile.mkdtemp(prefix="walk_docs-")
