@@ -70,8 +70,8 @@ def _checkpoint(out):
 
 
 def test_run_sh_resumes_by_itself_bitwise_where_a_run_left_off_and_evaluates_its_checkpoint(data24, straight,
-                                                                                             tmp_path):
-    """run.sh's launches are the point. A job of --epochs 2 that ended after epoch 0 leaves what the straight run
+                                                                                             tmp_path, monkeypatch):
+    """run.sh's launch is the point. A job of --epochs 2 that ended after epoch 0 leaves what the straight run
     (conftest) left then: its previous checkpoint and epoch 0's line of metrics. The same ./run.sh line again resumes
     by itself (run.sh passes --resume auto) at the start of epoch 1, on 2 processes, and ends with bitwise the
     straight run's weights and metrics; evaluated (-e) on two ranks, that checkpoint gives the same mIoU. (A first
@@ -107,12 +107,16 @@ def test_run_sh_resumes_by_itself_bitwise_where_a_run_left_off_and_evaluates_its
         for key in ("epoch", "train_loss", "lr", "miou", "iou"):
             assert record[key] == straight_record[key], key
 
-    # Evaluated on the line run.sh gives its two workers for -e, in forked ranks: `./run.sh -e --resume ...` itself,
-    # as the README writes it, is run by the docs walk (tests/walk_docs.py), on the demo's checkpoint.
+    # Evaluated on the line run.sh gives its two workers for -e (its -b and --accum-steps first), in forked ranks,
+    # after run.sh's check of that line (--check-only 2, DEEPLAB_RUN_SH set, as run.sh runs it) in this process.
+    # `./run.sh -e --resume ...` itself, as the README writes it, is run by the docs walk (tests/walk_docs.py).
     predictions = str(tmp_path / "predictions")
-    finish_ranks(fork_ranks(["--data", data24, "--output-dir", out, "--resume", "auto", "-b", "8", "--accum-steps",
-                             "1", "-e", "--resume", os.path.join(out, "checkpoint.pth"), "--save-predictions",
-                             predictions, *TRAIN_ARGS], str(tmp_path / "logs")))
+    evaluation = ["--data", data24, "--output-dir", out, "--resume", "auto", "-b", "8", "--accum-steps", "1", "-e",
+                  "--resume", os.path.join(out, "checkpoint.pth"), "--save-predictions", predictions, *TRAIN_ARGS]
+    with monkeypatch.context() as under_run_sh:
+        under_run_sh.setenv("DEEPLAB_RUN_SH", "1")
+        main.main(main.get_args_parser().parse_args(evaluation + ["--check-only", "2"]))
+    finish_ranks(fork_ranks(evaluation, str(tmp_path / "logs")))
     with open(os.path.join(out, "eval.json")) as f:
         result = json.load(f)
     assert result["num_images"] == 3 and 0 <= result["miou"] <= 1
@@ -172,9 +176,9 @@ def test_run_sh_starts_the_python_PYTHON_names_and_says_in_python_s_words_why_it
     the one that has it. Both advices are then followed in one run, the only one that imports torch (twice: the GPU
     count, main.py's check): it differs from each of the two runs that gave advice in that run's one variable alone,
     so each followed advice is what got past its mistake. run.sh counts the GPUs and runs main.py's check with the
-    Python PYTHON names, as its tests train with it; main.py's own line about a flag proves the check ran, torch
-    imported, and that it is all run.sh printed proves the check stopped the mistake in front of torchrun: no worker
-    started, none restarted."""
+    Python PYTHON names, as its tests train with it. main.py's own line about a flag proves that the check ran, torch
+    imported. That this line is all run.sh printed proves that the check stopped the mistake in front of torchrun: no
+    worker started, none restarted."""
     assert shutil.which("python") is None and shutil.which("python3") is None, os.environ["PATH"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DATA": tiny_data, "OUTPUT_DIR": str(tmp_path / "out")}
     env.pop("CUDA_VISIBLE_DEVICES", None)  # not hidden: run.sh counts the GPUs, with Python too

@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -150,13 +151,15 @@ def test_preempted_mid_epoch_resumes_at_next_batch_and_matches(data24, straight,
 def test_second_signal_exits_at_once(data24, tmp_path):
     """A launch: main.py's signal handlers in a process of its own, which the second signal ends by its default
     action."""
-    # Crops of 512: a step of about 2 s with the tests' tiny model, so the second signal comes before the first is
-    # acted on.
-    slow = [a if a != "32" else "512" for a in TRAIN_ARGS]
+    # Crops of 640: a step of about 3 s with the tests' tiny model, so the second signal comes before the first is
+    # acted on (a stop is read one step late).
+    slow = [a if a != "32" else "640" for a in TRAIN_ARGS]
     process = _start([PY, "main.py", "--data", data24, "--output-dir", str(tmp_path), "--epochs", "50", *slow], {})
     _wait_for(process, "step 1/")
     process.send_signal(signal.SIGUSR2)  # noted, as every stop signal (its default would end the process at once)
-    time.sleep(1.2)  # a repeat within a second counts as the same signal (a launcher passing it on)
+    # A repeat within a second counts as the same signal (a launcher passing it on), a second by the time each
+    # handler runs: 1.5 s apart, the first may run up to 0.5 s late (a slow operation, a core shared) and still count.
+    time.sleep(1.5)
     process.send_signal(signal.SIGTERM)
     log = process.communicate(timeout=60)[0]
     assert process.returncode == -signal.SIGTERM, log
@@ -423,8 +426,8 @@ def test_a_bad_file_on_rank_1_is_named_by_rank_1_once_and_restarts_do_not_repeat
     assert errors[0].startswith("main.py: error: rank 1: ") and path in errors[0], output
     assert output.index(errors[0]) < output.index("ChildFailedError"), output  # the program's line first
     assert output.count("Traceback") == 1 and "torch/distributed/run.py" in output, output  # torchrun's report only
-    # The restart ends at once, not after the 5-minute --dist-timeout a rank waiting for the failed one would take
-    # (about 30 s alone on 2 cores, 50 s beside another test's processes: pytest -n 2).
+    # No restart waits for the 5-minute --dist-timeout (as a rank waiting for the failed one would): the whole run,
+    # restart included, takes about 30 s alone on 2 cores and 50 s beside another test's processes (pytest -n 2).
     assert time.time() - start < 150, output
 
 
@@ -652,10 +655,10 @@ def test_a_killed_rank_is_named_gone_by_the_rank_that_outlives_it(data24, tmp_pa
 
 
 def test_a_program_leaves_its_objects_out_of_the_interpreter_s_last_collection(tiny_data, tmp_path, monkeypatch):
-    """main.py (and predict.py, through the same guard) registers gc.freeze to run at exit, skipping the last
-    collection's walk over torch's objects (harness/recovery.py). What that relies on is Python's: atexit runs before
-    the last collection, and a frozen object is left out of it. Shown in plain interpreters (no torch: milliseconds)
-    by an unreachable cycle that says when it is finalized: with gc.freeze registered it is not."""
+    """A run of main.py registers gc.freeze to run at exit (harness/recovery.py's guard, predict.py's too), so that
+    the interpreter's collections at exit skip torch's objects. What that relies on is CPython's: atexit runs before
+    those collections, and they leave frozen objects out. Shown in plain interpreters (no torch: milliseconds) by an
+    unreachable cycle that says so if it is finalized: with gc.freeze registered it is not."""
     script = ("import atexit, gc, sys\n"
               "class Noisy:\n"
               "    def __del__(self):\n"
@@ -667,8 +670,8 @@ def test_a_program_leaves_its_objects_out_of_the_interpreter_s_last_collection(t
         command = [sys.executable, "-c", script + ("atexit.register(gc.freeze)\n" if frozen else "")]
         result = subprocess.run(command, capture_output=True, text=True, timeout=60)
         assert result.returncode == 0 and result.stdout == said, (frozen, result.stdout, result.stderr)
-    registered = []
-    monkeypatch.setattr(recovery.atexit, "register", registered.append)
+    registered = []  # recovery's own atexit replaced, not the module: whatever else registers meanwhile is not lost
+    monkeypatch.setattr(recovery, "atexit", SimpleNamespace(register=registered.append, unregister=lambda f: None))
     import main
     main.main(main.get_args_parser().parse_args(["--data", tiny_data, "--output-dir", str(tmp_path / "out"),
                                                  *TRAIN_ARGS, "--check-only", "1"]))
