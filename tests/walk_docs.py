@@ -4,16 +4,17 @@ writes. Commands that need what this machine has not (GPUs, several machines, Sl
 listed below as skipped, with the reason; a command in the docs that the walk does not know fails it, and so
 does a command of the walk that the docs no longer have: the two cannot drift apart.
 
-    python tests/walk_docs.py              # all of it: about 7 minutes on 2 cores (.ci/run runs it)
+    python tests/walk_docs.py              # all of it: about 6 minutes on 2 cores (.ci/run runs it)
     python tests/walk_docs.py --list       # the commands, in order, and what the walk does with each
     python tests/walk_docs.py --keep DIR   # walk in DIR and leave it there, to look at what was written
 
 Where the docs allow it (arguments after ./run.sh go to main.py), the demo trains 2 epochs instead of 7, the
 fine-tuning on your own data 1 instead of 3, and TensorBoard's run 1 epoch of models.py's tiny model (its curves are
-the point, not the demo's model again). Two commands run beside the others, using the core that their one-process
-stretches leave (imports, predict.py): the Cityscapes scripts' install (it needs nothing the walk makes) from the
-start, and the ONNX export (nothing after it reads model.onnx); each is checked once it has ended, as every command
-is, and killed if it runs past its time when the walk comes to check it.
+the point, not the demo's model again). Two commands run beside the others, sharing the two cores with them: the
+Cityscapes scripts' install (it needs nothing the walk makes) from the start, during the demo, and the ONNX export
+(nothing after it reads model.onnx) during your own data's commands. Each is checked, as every command is, when the
+walk comes to it (the install at its place in the docs, the export after the last command), and killed then if it
+has run past its time. A SIGTERM or SIGHUP to the walk ends it as a Ctrl-C does, killing what it started.
 """
 import argparse
 import contextlib
@@ -217,8 +218,9 @@ def walk(folder):
             done.append(_check(page, command, step, folder, running))
     finally:  # a command started early or alongside, still running when another failed: ended with the walk
         for running in started.values():
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(running.process.pid, signal.SIGKILL)
+            if running.waiter.is_alive():  # (an ended one's group id may be another's by now)
+                with contextlib.suppress(OSError):
+                    os.killpg(running.process.pid, signal.SIGKILL)
     return done
 
 
@@ -249,11 +251,11 @@ def _start(command, folder, env):
     output = tempfile.TemporaryFile("w+", encoding="utf-8", errors="replace")
     process = subprocess.Popen(["bash", "-c", command], cwd=folder, env=env, stdout=output,
                                stderr=subprocess.STDOUT, start_new_session=True)
-    running = SimpleNamespace(process=process, output=output, start=time.time(), end=None, waiter=None)
+    running = SimpleNamespace(process=process, output=output, start=time.monotonic(), end=None, waiter=None)
 
     def note_the_end():
         process.wait()
-        running.end = time.time()
+        running.end = time.monotonic()
     running.waiter = threading.Thread(target=note_the_end, daemon=True)
     running.waiter.start()
     return running
@@ -263,15 +265,17 @@ def _finish(running, folder, timeout):
     """A started command's end -> (exit status, what it printed). One still running timeout seconds after it started
     is killed when the walk comes to it (at its turn, or for one started early or alongside when the walk checks it),
     with its process group and every process working in the folder (run.sh starts torchrun in a session of its own),
-    and its status is 'killed after N s': a command that hangs fails the walk, it does not hang it."""
-    running.waiter.join(max(0.0, running.start + timeout - time.time()))
+    and its status says so ('killed: still running past its N s'): a command that hangs fails the walk, it does not
+    hang it."""
+    running.waiter.join(max(0.0, running.start + timeout - time.monotonic()))
     if running.waiter.is_alive():
+        ran = time.monotonic() - running.start
         with contextlib.suppress(ProcessLookupError):
             os.killpg(running.process.pid, signal.SIGKILL)
         while _kill_working_in(folder):  # again, for any started while the last round looked
             time.sleep(0.5)
         running.waiter.join()
-        returncode = f"killed after {timeout} s"
+        returncode = f"killed: still running past its {timeout} s (ran {ran:.0f} s)"
     else:
         returncode = running.process.returncode
     with running.output:
@@ -344,6 +348,8 @@ def main():
         if os.listdir(folder):
             sys.exit(f"walk_docs.py: error: --keep {folder} is not empty: give a new or empty folder")
     start = time.time()
+    for stop in (signal.SIGTERM, signal.SIGHUP):  # as SIGINT: the finally blocks below kill what the walk started
+        signal.signal(stop, lambda number, frame: sys.exit(128 + number))
     try:
         copy_project(folder)
         done = walk(folder)
