@@ -144,7 +144,9 @@ class ForkedRank(NamedTuple):
 def _run_rank(argv, environment, output):
     """A forked rank's life: its own variables and files, main.main(argv), then os._exit with its status, at once:
     the child is a copy of pytest, none of whose exit code may run there, and multiprocessing's own ending would
-    wait for any non-daemon thread left running."""
+    wait for any non-daemon thread left running. (A fork that ended Python's normal way would also hang there:
+    faulthandler's timer, which pytest.ini arms around each test, waits at exit on a lock the parent's timer thread
+    held at the fork.)"""
     code = 1
     try:
         os.environ.update(environment)

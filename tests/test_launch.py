@@ -10,6 +10,7 @@ import torch
 
 from conftest import ROOT, SLOW_ARGS, TRAIN_ARGS, finish_ranks, fork_ranks, free_port, run
 import main
+from harness import job
 
 PY = sys.executable
 
@@ -116,6 +117,7 @@ def test_run_sh_resumes_by_itself_bitwise_where_a_run_left_off_and_evaluates_its
     with monkeypatch.context() as under_run_sh:
         under_run_sh.setenv("DEEPLAB_RUN_SH", "1")
         main.main(main.get_args_parser().parse_args(evaluation + ["--check-only", "2"]))
+    job.RUN.env = job.Environment()  # (the next run in this process reads its own: not under run.sh)
     finish_ranks(fork_ranks(evaluation, str(tmp_path / "logs")))
     with open(os.path.join(out, "eval.json")) as f:
         result = json.load(f)
@@ -176,9 +178,9 @@ def test_run_sh_starts_the_python_PYTHON_names_and_says_in_python_s_words_why_it
     the one that has it. Both advices are then followed in one run, the only one that imports torch (twice: the GPU
     count, main.py's check): it differs from each of the two runs that gave advice in that run's one variable alone,
     so each followed advice is what got past its mistake. run.sh counts the GPUs and runs main.py's check with the
-    Python PYTHON names, as its tests train with it. main.py's own line about a flag proves that the check ran, torch
-    imported. That this line is all run.sh printed proves that the check stopped the mistake in front of torchrun: no
-    worker started, none restarted."""
+    Python PYTHON names, as its tests train with it. main.py's own line about a flag proves that the check ran and
+    had imported torch. That this line is all run.sh printed proves that the check stopped the mistake in front of
+    torchrun: no worker started, none restarted."""
     assert shutil.which("python") is None and shutil.which("python3") is None, os.environ["PATH"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DATA": tiny_data, "OUTPUT_DIR": str(tmp_path / "out")}
     env.pop("CUDA_VISIBLE_DEVICES", None)  # not hidden: run.sh counts the GPUs, with Python too
