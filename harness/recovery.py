@@ -109,8 +109,8 @@ def _begin(program, args):
                           output_dir=getattr(args, "output_dir", None) if program == "main.py" else None)
     # At exit the interpreter's garbage collections walk every object torch and torchvision made. It costs about 2 s
     # (of a 9 s check-only run on a 2-core EPYC, docs/tests.md) in each worker, in run.sh's check and in predict.py.
-    # gc.freeze() at exit leaves them out (atexit runs before those collections; CPython's order, which a test
-    # checks). Nothing here relies on the cyclic garbage being finalized at exit: files are closed by `with`,
+    # gc.freeze() at exit leaves those objects out (atexit runs before those collections; CPython's order, which a
+    # test checks). Nothing here relies on the cyclic garbage being finalized at exit: files are closed by `with`,
     # TensorBoard's writer by guard, DataLoader workers by multiprocessing's own exit handler (and Python does not
     # promise to finalize what is alive at exit). Unregistered first: a process that runs main() more than once, as
     # the tests do, keeps one.

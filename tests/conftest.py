@@ -145,8 +145,8 @@ def _run_rank(argv, environment, output):
     """A forked rank's life: its own variables and files, main.main(argv), then os._exit with its status, at once:
     the child is a copy of pytest, none of whose exit code may run there, and multiprocessing's own ending would
     wait for any non-daemon thread left running. (A fork that ended Python's normal way would also hang there:
-    faulthandler's timer, which pytest.ini arms around each test, waits at exit on a lock the parent's timer thread
-    held at the fork.)"""
+    faulthandler's timer, which pytest.ini arms around each test, waits at exit for its timer thread to release a
+    lock, and a forked child has no such thread: seen to wait past the timer's time.)"""
     code = 1
     try:
         os.environ.update(environment)

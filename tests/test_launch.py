@@ -117,7 +117,7 @@ def test_run_sh_resumes_by_itself_bitwise_where_a_run_left_off_and_evaluates_its
     with monkeypatch.context() as under_run_sh:
         under_run_sh.setenv("DEEPLAB_RUN_SH", "1")
         main.main(main.get_args_parser().parse_args(evaluation + ["--check-only", "2"]))
-    job.RUN.env = job.Environment()  # (the next run in this process reads its own: not under run.sh)
+    job.RUN.env = job.Environment()  # what the check read under run.sh reset, as other tests do
     finish_ranks(fork_ranks(evaluation, str(tmp_path / "logs")))
     with open(os.path.join(out, "eval.json")) as f:
         result = json.load(f)

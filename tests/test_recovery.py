@@ -158,8 +158,8 @@ def test_second_signal_exits_at_once(data24, tmp_path):
     _wait_for(process, "step 1/")
     process.send_signal(signal.SIGUSR2)  # noted, as every stop signal (its default would end the process at once)
     # A repeat counts as the same signal (a launcher passing it on) when the two handlers run within 1 s of each
-    # other: sent 1.5 s apart, the second still counts as a second signal unless the first handler runs 0.5 s or more
-    # later than the second one does (a slow operation, a core shared).
+    # other: sent 1.5 s apart, the second still counts as a second signal unless the first handler is delayed 0.5 s
+    # or more longer than the second (a slow operation, a core shared).
     time.sleep(1.5)
     process.send_signal(signal.SIGTERM)
     log = process.communicate(timeout=60)[0]
