@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT, SLOW_ARGS, TRAIN_ARGS, finish_ranks, fork_ranks, free_port, run
+from conftest import ROOT, SLOW_ARGS, TRAIN_ARGS, finish_ranks, fork_ranks, free_port, run, run_sh_workers_line
 import main
 from harness import job
 
@@ -112,8 +112,8 @@ def test_run_sh_resumes_by_itself_bitwise_where_a_run_left_off_and_evaluates_its
     # after run.sh's check of that line (--check-only 2, DEEPLAB_RUN_SH set, as run.sh runs it) in this process.
     # `./run.sh -e --resume ...` itself, as the README writes it, is run by the docs walk (tests/walk_docs.py).
     predictions = str(tmp_path / "predictions")
-    evaluation = ["--data", data24, "--output-dir", out, "--resume", "auto", "-b", "8", "--accum-steps", "1", "-e",
-                  "--resume", os.path.join(out, "checkpoint.pth"), "--save-predictions", predictions, *TRAIN_ARGS]
+    evaluation = run_sh_workers_line(data24, out, "-e", "--resume", os.path.join(out, "checkpoint.pth"),
+                                     "--save-predictions", predictions, *TRAIN_ARGS)
     with monkeypatch.context() as under_run_sh:
         under_run_sh.setenv("DEEPLAB_RUN_SH", "1")
         main.main(main.get_args_parser().parse_args(evaluation + ["--check-only", "2"]))

@@ -328,7 +328,6 @@ def test_run_sh_reads_a_leading_zero_as_decimal(tiny_data, tmp_path):
         assert f"--nproc_per_node {counted} " in launch, launch
 
 
-
 def test_under_run_sh_too_many_processes_name_its_variables(tiny_data, tmp_path, monkeypatch, capsys):
     """main.py's check as run.sh runs it (DEEPLAB_RUN_SH=1, the world size run.sh counted): the advice names what the
     user sets there, NPROC and NNODES, not a flag. In-process: the line is main.py's."""
@@ -336,6 +335,7 @@ def test_under_run_sh_too_many_processes_name_its_variables(tiny_data, tmp_path,
     line = _main_fails(["--data", tiny_data, "--output-dir", str(tmp_path / "out"), *TRAIN_ARGS, "--check-only", "10"],
                        capsys)
     assert line == "main.py: error: 10 processes but only 5 val images: use at most 5 processes in all (NPROC x NNODES)"
+
 
 # --- nothing the user made is written over: what a command reads, and where it writes -------------------------
 def _fingerprint(*folders):

@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from harness import checkpoints, job, recovery, stops
-from conftest import ROOT, SLOW_ARGS, TRAIN_ARGS, finish_ranks, fork_ranks, free_port, processes_mentioning
+from conftest import (ROOT, SLOW_ARGS, TRAIN_ARGS, finish_ranks, fork_ranks, free_port, processes_mentioning,
+                      run_sh_workers_line)
 
 PY = sys.executable
 CPU_ENV = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
@@ -138,8 +139,7 @@ def test_preempted_mid_epoch_resumes_at_next_batch_and_matches(data24, straight,
 
     # The end of the run: the workers' line (run.sh's -b and --accum-steps first) in forked ranks; run.sh's part, the
     # stops and the resume after each, is above.
-    log = finish_ranks(fork_ranks(["--data", data24, "--output-dir", out, "--resume", "auto", "-b", "8",
-                                   "--accum-steps", "1", "--epochs", "2", "--resume", "auto", *SLOW_ARGS],
+    log = finish_ranks(fork_ranks(run_sh_workers_line(data24, out, "--epochs", "2", *SLOW_ARGS),
                                   str(tmp_path / "logs")))[0]
     assert f"epoch 1 step {second['step'] + 1}/6" in log
     _assert_same_weights(straight, out)  # two interruptions, the same weights as no interruption
