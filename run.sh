@@ -179,7 +179,13 @@ MAIN=("$ROOT/main.py" --data "$DATA" --output-dir "$OUTPUT_DIR" --resume auto "$
 
 # Check the arguments, the data and any --resume in one plain process first: a mistake ends here with one
 # line, instead of in every worker, in torchrun's report, and again in each of torchrun's restarts.
-run_step "checking the arguments and the data" "$PYTHON" "${MAIN[@]}" --check-only "$WORLD" || exit $?
+# Exit status 3 (harness/errors.py's NOTHING_TO_TRAIN): the run it would resume has finished, and the check said
+# so. On one node that is all: no worker would do more than say it again. Several nodes still start torchrun, whose
+# workers compare what each node resumes from (a stale copy of the checkpoint on one node is named, not missed).
+STATUS=0
+run_step "checking the arguments and the data" "$PYTHON" "${MAIN[@]}" --check-only "$WORLD" || STATUS=$?
+if [ "$STATUS" -eq 3 ] && [ "$NNODES" -eq 1 ]; then exit 0; fi
+[ "$STATUS" -eq 0 ] || [ "$STATUS" -eq 3 ] || exit "$STATUS"
 
 say "run.sh: $NPROC process(es) on this node, $NNODES node(s), data $DATA, output $OUTPUT_DIR"
 # torchrun restarts all workers when one fails (MAX_RESTARTS times); main.py then resumes by itself from

@@ -24,6 +24,15 @@ def fail(message, this_rank=False):
     raise UserError(str(message), this_rank)
 
 
+# --check-only's exit status when the run it would resume has finished: run.sh then starts no torchrun on one node.
+NOTHING_TO_TRAIN = 3
+
+
 class Finished(Exception):
     """Not a mistake: the run has done all it will (--check-only after its checks, a stop after its save).
-    recovery.guard ends the program there with exit status 0, after letting go of what the run holds."""
+    recovery.guard ends the program there with exit status `status` (0, or NOTHING_TO_TRAIN), after letting go of
+    what the run holds."""
+
+    def __init__(self, status=0):
+        super().__init__(status)
+        self.status = status

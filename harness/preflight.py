@@ -18,7 +18,7 @@ import torch
 
 from . import checkpoints, checks, inference, job, paths, records, stops
 from dataset import IGNORE_INDEX
-from .errors import BadInput, Finished, fail
+from .errors import NOTHING_TO_TRAIN, BadInput, Finished, fail
 from .job import RUN, log, named
 from models import MODEL_NAMES
 
@@ -72,8 +72,8 @@ def _complete_args(args, start):
 
 def check_data_and_make_outputs(args, train_set, val_set, checkpoint):
     """The data and the model, once main.py has opened and built them (on every rank, before the process group):
-    the checks of check_data, the crop against the model's output stride. --check-only ends here (exit 0, nothing
-    written). Then rank 0, with every check passed, makes the output folders (before init_process_group, which the
+    the checks of check_data, the crop against the model's output stride. --check-only ends here, having written
+    nothing: exit 0, or errors.NOTHING_TO_TRAIN where the run it would resume has finished. Then rank 0, with every check passed, makes the output folders (before init_process_group, which the
     other ranks wait in), rewrites the run's files to begin at the checkpoint's position, and opens TensorBoard's
     writer; and from here a stop saves first (stops.preflight_ended changes what the stop signals do)."""
     crop_size = args.crop_size * 2 if len(args.crop_size) == 1 else args.crop_size
@@ -82,6 +82,10 @@ def check_data_and_make_outputs(args, train_set, val_set, checkpoint):
     check_data(args, crop_size, train_set, val_set, world_size)
     records.check_predictions_folder(args, val_set)  # no data set's masks replaced by predictions
     if args.check_only:
+        if checkpoint and not args.evaluate and checkpoint["epoch"] >= args.epochs:  # train()'s test, said as it is
+            print(f"nothing to train: {args.resume} has finished {checkpoint['epoch']} epochs, as many as --epochs "
+                  f"{args.epochs} asks or more; raise --epochs to train longer, or evaluate it with -e", flush=True)
+            raise Finished(NOTHING_TO_TRAIN)
         raise Finished
     start = RUN.start
     resuming = checkpoint and not args.evaluate

@@ -57,16 +57,19 @@ def guard(program, args=None):
       where (a training step, the evaluation, a prediction), with what (the batch, the crop, the precision), the
       device's memory, and what to change. It is not retried: the same step would run out again.
     - A failed or timed-out collective: each waiting rank names the rank at fault from the heartbeats.
-    - errors.Finished (--check-only done, a stop saved): exit 0.
+    - errors.Finished (--check-only done, a stop saved): exit 0; a check of a run that has finished: exit
+      errors.NOTHING_TO_TRAIN.
     Anything else is a bug, not a mistake: its traceback is kept. main.py's signals are stops.py's while it runs.
     args: the program's flags (where a mistake is recorded for the peers and restarts, the out-of-memory line)."""
     try:
         _begin(program, args)
         yield
-    except Finished:
+    except Finished as done:
         stop_heartbeat()
         if dist.is_initialized():
             dist.destroy_process_group()  # every rank stopped at the same point: none waits in a collective
+        if done.status:
+            sys.exit(done.status)
     except stops.Interrupted as stop:
         log(f"{program}: stopped by signal {stop.args[0]} before training began: nothing was trained. To go on, "
             f"{job.resume_advice()}")

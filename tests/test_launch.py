@@ -228,6 +228,25 @@ def test_run_sh_keeps_the_recipes_global_batch_on_1_to_8_gpus(gpus, per_gpu, acc
     assert f"-b {per_gpu} --accum-steps {accum_steps}" in launch and per_gpu * gpus * accum_steps == 16, launch
 
 
+def test_run_sh_starts_no_torchrun_on_one_node_when_its_check_finds_nothing_to_train(tiny_data, tmp_path):
+    """main.py's check exits 3 when the run it would resume has finished (test_mistakes): run.sh then ends there,
+    exit 0, on one node; on two it starts torchrun, whose workers compare what each node resumes from. A stand-in
+    for Python exits as the check would and records what run.sh starts."""
+    log, fake = tmp_path / "started", tmp_path / "python"
+    fake.write_text('#!/bin/bash\n[ "$1" != -c ] || exit 0\necho "$*" >> "$FAKE_LOG"\n'
+                    'case " $* " in *" --check-only "*) exit 3;; esac\n')
+    fake.chmod(0o755)
+    env = {**os.environ, "PYTHON": str(fake), "FAKE_LOG": str(log), "DATA": tiny_data, "CUDA_VISIBLE_DEVICES": "",
+           "OUTPUT_DIR": str(tmp_path / "out")}
+    for nodes, started in (("1", ["--check-only 2"]), ("2", ["--check-only 4", "torch.distributed.run"])):
+        log.unlink(missing_ok=True)
+        result = subprocess.run(["./run.sh"], cwd=ROOT, env={**env, "NNODES": nodes}, capture_output=True, text=True,
+                                timeout=60)
+        assert result.returncode == 0, result.stdout + result.stderr
+        lines = log.read_text().splitlines()
+        assert len(lines) == len(started) and all(part in line for part, line in zip(started, lines)), lines
+
+
 def test_run_sh_refuses_a_stop_status_that_is_no_exit_status(tmp_path):
     env = {**os.environ, "STOP_STATUS": "256", "CUDA_VISIBLE_DEVICES": "", "DATA": str(tmp_path / "data"),
            "OUTPUT_DIR": str(tmp_path / "out")}  # (a run.sh that did not check it would stop at the empty DATA)

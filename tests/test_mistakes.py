@@ -169,10 +169,14 @@ def test_checkpoints_that_cannot_resume_training(tiny_data, trained, tmp_path, c
     shutil.copytree(trained, out)
     before = _snapshot(out)
     common = ["--data", tiny_data, "--output-dir", out, *TRAIN_ARGS]
-    # A requeued job that had already finished: nothing to do, and it says so (exit 0).
+    # A requeued job that had already finished: nothing to do, and it says so (exit 0). run.sh's check (--check-only)
+    # says it in the same words and exits 3, so that run.sh starts no worker to say it again (test_launch).
     main.main(main.get_args_parser().parse_args(common + ["--epochs", "1", "--resume", "auto"]))
     said = capsys.readouterr().out
     assert "nothing to train" in said and "done" not in said, said
+    with pytest.raises(SystemExit) as exit_info:
+        main.main(main.get_args_parser().parse_args(common + ["--epochs", "1", "--resume", "auto", "--check-only", "2"]))
+    assert exit_info.value.code == 3 and capsys.readouterr().out == said.splitlines(keepends=True)[-1]
     assert _snapshot(out) == before
     line = _main_fails(common + ["--epochs", "3", "--resume", os.path.join(out, "checkpoint.pth"), "--start-epoch",
                                  "1"], capsys)
