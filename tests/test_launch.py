@@ -130,9 +130,9 @@ def test_run_sh_resumes_by_itself_bitwise_where_a_run_left_off_and_evaluates_its
 def test_run_sh_without_data_writes_synthetic_set_and_trains(tmp_path):
     """A launch, run.sh's demo being the point. Run from a folder with no data/cityscapes and DATA not set: the demo,
     its paths relative to that folder (OUTPUT_DIR set, to keep the test small, is too; not ASCII, under the C
-    locale). A DATA named on purpose that holds nothing is no demo. Our arguments, after the demo's, win: the tests'
-    tiny model among them, which has no ImageNet weights, so that it trains at all says the demo's
-    --pretrained-backbone none reached main.py, as its --lr did."""
+    locale). A DATA named on purpose that holds nothing is no demo (run.sh's choice, read from a stand-in for Python).
+    Our arguments, after the demo's, win: the tests' tiny model among them, which has no ImageNet weights, so that
+    it trains at all says the demo's --pretrained-backbone none reached main.py, as its --lr did."""
     env = {"OUTPUT_DIR": "ausgabe-über", "NPROC": "2", "MASTER_PORT": str(free_port()), "LANG": "C", "LC_ALL": "C"}
     log = run([os.path.join(ROOT, "run.sh"), "--epochs", "1", "--crop-size", "16", "-b", "16", "-p", "50",
                "--model", "deeplabv3plus_mobilenet_tiny"], env=env, cwd=str(tmp_path))  # 9 steps
@@ -142,10 +142,18 @@ def test_run_sh_without_data_writes_synthetic_set_and_trains(tmp_path):
     args = _checkpoint(str(tmp_path / "ausgabe-über"))["args"]
     assert (args["model"], args["crop_size"], args["lr"], args["pretrained_backbone"]) == (
         "deeplabv3plus_mobilenet_tiny", [16], 0.05, "none"), args
+    # DATA named on purpose, holding nothing: main.py's check on it, not the demo. A stand-in for Python records what
+    # run.sh starts and fails as the check does on a missing folder (its line: test_recovery's bad input).
+    fake = tmp_path / "python"
+    fake.write_text('#!/bin/bash\necho "$*" >> started\nexit 1\n')
+    fake.chmod(0o755)
     result = subprocess.run([os.path.join(ROOT, "run.sh")], cwd=str(tmp_path), capture_output=True, text=True,
-                            env={**os.environ, "CUDA_VISIBLE_DEVICES": "", "DATA": "typo/cityscapes"}, timeout=60)
-    assert result.returncode == 1 and "demo" not in result.stdout, result.stdout + result.stderr
-    assert "main.py: error: typo/cityscapes/leftImg8bit/train not found" in result.stderr, result.stderr
+                            env={**os.environ, "CUDA_VISIBLE_DEVICES": "", "DATA": "typo/cityscapes",
+                                 "PYTHON": str(fake)}, timeout=60)
+    assert result.returncode == 1 and "demo" not in result.stdout + result.stderr, result.stdout + result.stderr
+    [check] = (tmp_path / "started").read_text().splitlines()
+    assert "main.py --data typo/cityscapes --output-dir output --resume auto -b 8 --accum-steps 1 " in check, check
+    assert check.endswith(" --check-only 2"), check
 
 
 def test_two_nodes_train_together_and_match_one_node(data24, straight, tmp_path):
