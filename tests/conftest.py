@@ -141,14 +141,17 @@ class ForkedRank(NamedTuple):
     output: str  # the file its stdout and stderr go to
 
 
-def _run_rank(argv, environment, output):
-    """A forked rank's life: its own variables and files, main.main(argv), then os._exit with its status, at once:
+def _run_rank(argv, environment, output, own_group=False):
+    """A forked rank's life: its own variables and files (and process group, own_group: as a shell starts a
+    command), main.main(argv), then os._exit with its status, at once:
     the child is a copy of pytest, none of whose exit code may run there, and multiprocessing's own ending would
     wait for any non-daemon thread left running. (A fork that ended Python's normal way would also hang there:
     faulthandler's timer, which pytest.ini arms around each test, waits at exit for its timer thread to release a
     lock, and a forked child has no such thread: seen to wait past the timer's time.)"""
     code = 1
     try:
+        if own_group:
+            os.setpgrp()
         os.environ.update(environment)
         import torch
         torch.set_num_threads(1)
@@ -191,6 +194,31 @@ def fork_ranks(argv, outputs, world_size=2):
         process.start()
         ranks.append(ForkedRank(process, output))
     return ranks
+
+
+def fork_main(argv, output, environment=(), own_group=False):
+    """main.main(argv) in one forked copy of this process, as a program started by hand: a process of its own, with
+    environment's variables added (none of a launcher's unless given), one thread, its output to the file output,
+    and with own_group the leader of a process group of its own. What it does with signals is main.py's: a fresh
+    interpreter would add only the seconds it takes to import torch. -> ForkedRank."""
+    open(output, "w").close()  # there before the process starts: a test may read it at once
+    process = multiprocessing.get_context("fork").Process(
+        target=_run_rank, args=(argv, {"OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", **dict(environment)},
+                                output, own_group))
+    process.start()
+    return ForkedRank(process, output)
+
+
+def wait_in_file(path, text, timeout=120):
+    """Read a file another process writes until it holds text; -> what it held."""
+    deadline = time.time() + timeout
+    while True:
+        with open(path) as f:
+            seen = f.read()
+        if text in seen:
+            return seen
+        assert time.time() < deadline, f"{text!r} never appeared:\n{seen}"
+        time.sleep(0.05)
 
 
 def finish_ranks(ranks, timeout=240):

@@ -391,7 +391,6 @@ def test_the_data_set_is_never_where_the_run_writes(tiny_data, previous_run, cap
 def test_the_advice_after_a_stop_continues_the_run_instead_of_starting_over(tiny_data, trained, tmp_path,
                                                                               monkeypatch, capsys):
     import dataset
-    from harness import recovery
     import signal
     out = str(tmp_path / "out")
     shutil.copytree(trained, out)
@@ -1118,7 +1117,7 @@ def test_earlier_results_are_replaced_with_a_word_and_a_full_disk_writing_eval_j
     main.main(main.get_args_parser().parse_args(evaluate))
     assert "replaces" not in capsys.readouterr().out
     main.main(main.get_args_parser().parse_args(evaluate))
-    assert f"it replaces the earlier one (mIoU" in capsys.readouterr().out
+    assert "it replaces the earlier one (mIoU" in capsys.readouterr().out
     images = os.path.join(trained, "vis")
     for _ in range(2):
         predict.main(predict.get_args_parser().parse_args(["--resume", best, images, "-j", "0", "--output-dir",

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from harness import checkpoints, job, recovery, stops
-from conftest import (ROOT, SLOW_ARGS, TRAIN_ARGS, finish_ranks, fork_ranks, free_port, processes_mentioning,
-                      run_sh_workers_line)
+from conftest import (ROOT, SLOW_ARGS, TRAIN_ARGS, finish_ranks, fork_main, fork_ranks, free_port,
+                      processes_mentioning, run_sh_workers_line, wait_in_file)
 
 PY = sys.executable
 CPU_ENV = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
@@ -149,22 +149,29 @@ def test_preempted_mid_epoch_resumes_at_next_batch_and_matches(data24, straight,
 
 
 def test_second_signal_exits_at_once(data24, tmp_path):
-    """A launch: main.py's signal handlers in a process of its own, which the second signal ends by its default
+    """main.py's signal handlers in a process of its own (forked), which the second signal ends by its default
     action."""
     # Crops of 640: a step of about 3 s with the tests' tiny model, so the second signal comes before the first is
     # acted on (a stop is read one step late).
     slow = [a if a != "32" else "640" for a in TRAIN_ARGS]
-    process = _start([PY, "main.py", "--data", data24, "--output-dir", str(tmp_path), "--epochs", "50", *slow], {})
-    _wait_for(process, "step 1/")
-    process.send_signal(signal.SIGUSR2)  # noted, as every stop signal (its default would end the process at once)
-    # A repeat counts as the same signal (a launcher passing it on) when the two handlers run within 1 s of each
-    # other: sent 1.5 s apart, the second still counts as a second signal unless the first handler is delayed 0.5 s
-    # or more longer than the second (a slow operation, a core shared).
-    time.sleep(1.5)
-    process.send_signal(signal.SIGTERM)
-    log = process.communicate(timeout=60)[0]
-    assert process.returncode == -signal.SIGTERM, log
-    assert not os.path.exists(os.path.join(tmp_path, "checkpoint.pth"))
+    out = str(tmp_path / "out")
+    process, output = fork_main(["--data", data24, "--output-dir", out, "--epochs", "50", *slow],
+                                str(tmp_path / "said.log"))
+    try:
+        wait_in_file(output, "step 1/")
+        os.kill(process.pid, signal.SIGUSR2)  # noted, as every stop signal (its default would end the process at once)
+        # A repeat counts as the same signal (a launcher passing it on) when the two handlers run within 1 s of each
+        # other: sent 1.5 s apart, the second still counts as a second signal unless the first handler is delayed
+        # 0.5 s or more longer than the second (a slow operation, a core shared).
+        time.sleep(1.5)
+        os.kill(process.pid, signal.SIGTERM)
+        process.join(timeout=60)
+        with open(output) as f:
+            assert process.exitcode == -signal.SIGTERM, f.read()
+    finally:
+        process.kill()
+        process.join()
+    assert not os.path.exists(os.path.join(out, "checkpoint.pth"))
 
 
 def test_resume_with_another_number_of_processes(data24, straight, tmp_path, capfd):
@@ -206,18 +213,6 @@ def test_torchrun_restarts_a_killed_worker_and_the_run_finishes(data24, tmp_path
     assert _checkpoint(out)["epoch"] == 3  # the final checkpoint is after the last epoch
 
 
-def _wait_in_file(path, text, timeout=120):
-    """Read a file another process writes until it holds text; -> what it held."""
-    deadline = time.time() + timeout
-    while True:
-        with open(path) as f:
-            seen = f.read()
-        if text in seen:
-            return seen
-        assert time.time() < deadline, f"{text!r} never appeared:\n{seen}"
-        time.sleep(0.05)
-
-
 def test_a_hung_peer_ends_the_job_naming_the_rank(data24, tmp_path):
     """Two ranks (forked: which launcher started them is not the point); rank 1 stopped mid-epoch, alive but
     answering nothing: rank 0 names it within --dist-timeout and ends."""
@@ -225,7 +220,7 @@ def test_a_hung_peer_ends_the_job_naming_the_rank(data24, tmp_path):
     ranks = fork_ranks(["--data", data24, "--output-dir", out, "--epochs", "5", "--dist-timeout", "0.15",
                         *SLOW_ARGS], str(tmp_path / "logs"))
     try:
-        _wait_in_file(ranks[0].output, "step 2/")
+        wait_in_file(ranks[0].output, "step 2/")
         os.kill(ranks[1].process.pid, signal.SIGSTOP)  # alive, but answers nothing: a hang
         start = time.time()
         ranks[0].process.join(timeout=60)
@@ -434,25 +429,36 @@ def test_a_bad_file_on_rank_1_is_named_by_rank_1_once_and_restarts_do_not_repeat
 
 def test_a_resumed_epoch_uses_the_persistent_workers_and_no_others(data24, straight, tmp_path):
     """A run resumed in the middle of an epoch trains with -j workers, not -j more, and evaluation's
-    workers do not stay beside the training ones. A process of its own: its children are its DataLoaders'
+    workers do not stay beside the training ones. A process of its own (forked): its children are its DataLoaders'
     workers alone."""
     out = str(tmp_path / "out")
     os.makedirs(out)
     checkpoint = _checkpoint(straight, "checkpoint.prev.pth")  # epoch 0 done, by 2 processes of 2 images
     checkpoint["step"], checkpoint["world_size"], checkpoint["batch_size"] = 2, 1, 2  # as if one stopped at step 2
     torch.save(checkpoint, os.path.join(out, "checkpoint.pth"))
-    process = _start([PY, "main.py", "--data", data24, "--output-dir", out, *SLOW_ARGS, "-j", "2", "--epochs", "3",
-                      "--resume", "auto"], {})
-    counts = {}
+    process, output = fork_main(["--data", data24, "--output-dir", out, *SLOW_ARGS, "-j", "2", "--epochs", "3",
+                                 "--resume", "auto"], str(tmp_path / "said.log"))
+    counts, read = {}, 0
     try:
-        for line in process.stdout:
-            for epoch in (1, 2):
-                if line.startswith(f"epoch {epoch} step ") and not line.startswith(f"epoch {epoch} step 12/"):
-                    with open(f"/proc/{process.pid}/task/{process.pid}/children") as f:
-                        counts.setdefault(epoch, []).append(len(f.read().split()))
+        while process.exitcode is None:  # each line's count of children, taken as soon as the line is seen
+            with open(output) as f:
+                lines = f.read().split("\n")[:-1]  # whole lines
+            try:
+                with open(f"/proc/{process.pid}/task/{process.pid}/children") as f:
+                    children = len(f.read().split())
+            except OSError:  # ended meanwhile
+                break
+            for line in lines[read:]:
+                for epoch in (1, 2):
+                    if line.startswith(f"epoch {epoch} step ") and not line.startswith(f"epoch {epoch} step 12/"):
+                        counts.setdefault(epoch, []).append(children)
+            read = len(lines)
+            time.sleep(0.01)
+        process.join(timeout=120)
     finally:
-        process.communicate(timeout=120)
-    assert process.returncode == 0
+        process.kill()
+        process.join()
+    assert process.exitcode == 0
     assert counts[1][0] == 2 and max(counts[1]) == 2, counts  # the resumed epoch starts at step 3, 2 workers
     assert max(counts[2]) == 2, counts
 

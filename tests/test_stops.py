@@ -1,6 +1,6 @@
 """A user's stop is honoured at every moment (said where it stopped; the same command afterwards carries on or
 says there is nothing to do), and a wait says what it waits for. In-process where a launcher is not the point."""
-import json
+import contextlib
 import os
 import re
 import signal
@@ -14,7 +14,7 @@ import torch
 import dataset
 import main
 from harness import checkpoints, job, stops
-from conftest import ROOT, TRAIN_ARGS, free_port, processes_mentioning
+from conftest import ROOT, TRAIN_ARGS, fork_main, free_port, processes_mentioning, wait_in_file
 
 CPU_ENV = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
 
@@ -134,17 +134,22 @@ def test_ctrl_c_while_run_sh_prepares_says_so_in_one_line_and_leaves_nothing(mom
 def test_a_stop_to_the_whole_process_group_saves_and_exits_0(data24, tmp_path):
     """`timeout`, `kill -- -PGID` and schedulers signal every process of a job, the DataLoader's workers too (here
     SIGUSR1, as Slurm's --signal=USR1 sends it, and a SIGTERM right after it): they leave the stop to the training
-    process, which saves where it is."""
+    process, which saves where it is. main.py forked, leading a process group of its own, as a shell starts it."""
     out = str(tmp_path / "out")
-    process = _start_in_its_own_group([sys.executable, "main.py", "--data", data24, "--output-dir", out, "--epochs",
-                                       "1", *TRAIN_ARGS, "-j", "1"], CPU_ENV)  # a worker (the last -j wins)
-    for line in process.stdout:
-        if "step 2/" in line:
-            break
-    os.killpg(process.pid, signal.SIGUSR1)
-    os.killpg(process.pid, signal.SIGTERM)  # within a second: the same stop, sent again
-    output = process.communicate(timeout=60)[0]
-    assert process.returncode == 0 and "Traceback" not in output, output
+    process, said = fork_main(["--data", data24, "--output-dir", out, "--epochs", "1", *TRAIN_ARGS, "-j", "1"],
+                              str(tmp_path / "said.log"), own_group=True)  # a worker (the last -j wins)
+    try:
+        wait_in_file(said, "step 2/")
+        os.killpg(process.pid, signal.SIGUSR1)
+        os.killpg(process.pid, signal.SIGTERM)  # within a second: the same stop, sent again
+        process.join(timeout=60)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.join()
+    with open(said) as f:
+        output = f.read()
+    assert process.exitcode == 0 and "Traceback" not in output, output
     assert f"stopped by signal {int(signal.SIGUSR1)} at epoch 0 step" in output, output
     assert 2 <= checkpoints.read("--resume", os.path.join(out, "checkpoint.pth"))["step"] < 12
 
@@ -168,22 +173,22 @@ def test_waits_for_other_nodes_and_processes_say_what_they_wait_for(tiny_data, t
     node = _start_in_its_own_group(["./run.sh", "--epochs", "1", *TRAIN_ARGS], {
         **CPU_ENV, "DATA": tiny_data, "OUTPUT_DIR": str(tmp_path / "nodes"), "NPROC": "1", "NNODES": "2",
         "NODE_RANK": "0", "MASTER_PORT": port, "RDZV_ID": f"wait{port}"})
-    rank0 = _start_in_its_own_group([sys.executable, "main.py", "--data", tiny_data, "--output-dir",
-                                     str(tmp_path / "alone"), "--epochs", "1", "--dist-timeout", "0.15", *TRAIN_ARGS],
-                                    {**CPU_ENV, "RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0",
-                                     "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": alone_port})
+    # The two ranks started by hand are forked copies of this process (main.py's waits are the point, not a fresh
+    # interpreter's start).
+    rank0 = fork_main(["--data", tiny_data, "--output-dir", str(tmp_path / "alone"), "--epochs", "1",
+                       "--dist-timeout", "0.15", *TRAIN_ARGS], str(tmp_path / "rank0.log"),
+                      {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": alone_port})
     # Rank 1 of 2 started by hand, rank 0 never: stopped while it waits, it ends at once, not after --dist-timeout.
-    rank1 = _start_in_its_own_group([sys.executable, "main.py", "--data", tiny_data, "--output-dir",
-                                     str(tmp_path / "one"), "--epochs", "1", "--dist-timeout", "10", *TRAIN_ARGS],
-                                    {**CPU_ENV, "RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "0",
-                                     "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())})
+    rank1 = fork_main(["--data", tiny_data, "--output-dir", str(tmp_path / "one"), "--epochs", "1", "--dist-timeout",
+                       "10", *TRAIN_ARGS], str(tmp_path / "rank1.log"),
+                      {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": str(free_port())})
     try:
-        for line in rank1.stdout:
-            if "waiting" in line:
-                break
-        rank1.send_signal(signal.SIGTERM)
-        rank1.communicate(timeout=10)
-        assert rank1.returncode == -signal.SIGTERM, rank1.returncode
+        wait_in_file(rank1.output, "waiting")
+        os.kill(rank1.process.pid, signal.SIGTERM)
+        rank1.process.join(timeout=10)
+        assert rank1.process.exitcode == -signal.SIGTERM, rank1.process.exitcode
         seen = []
         for line in node.stdout:
             seen.append(line)
@@ -194,24 +199,26 @@ def test_waits_for_other_nodes_and_processes_say_what_they_wait_for(tiny_data, t
         node.send_signal(signal.SIGTERM)  # as a scheduler would, to run.sh: nothing to save, torchrun stops
         rest = node.communicate(timeout=60)[0]
         assert "got SIGTERM while no worker ran: stopping torchrun; what was saved stays" in rest, rest
-        # Read whole, not line by line first: iterating stdout buffers lines ahead, and communicate(timeout=...) then
-        # reads the pipe itself, past them (it may have given up by now, its last lines already buffered).
-        said = rank0.communicate(timeout=60)[0]
+        rank0.process.join(timeout=60)
+        with open(rank0.output) as f:
+            said = f.read()
         line = next((line for line in said.splitlines() if "waiting" in line), said)
         # After 5 s (6, where a busy machine woke the waiting thread late), as the seconds it has waited.
         assert re.search(f"main.py: rank 0: waiting [56] s for the 2 processes to meet at 127.0.0.1:{alone_port} "
                          r"\(the process group\); it gives up at", line) and "(--dist-timeout 0.15 min)" in line, line
         rest = said.split(line, 1)[1]  # and at that time it does, in one line
         errors = [line for line in rest.splitlines() if "error:" in line]
-        assert rank0.returncode == 1 and "Traceback" not in rest and len(errors) == 1, rest
+        assert rank0.process.exitcode == 1 and "Traceback" not in rest and len(errors) == 1, rest
         # --dist-timeout's 9 s, not gloo's default: the seconds it waited, as it measured them (11 on a busy machine).
         assert re.match(f"main.py: error: rank 0: the 2 processes did not all meet at 127.0.0.1:{alone_port} "
                         r"within (9|10|11) s ", errors[0]), errors[0]
     finally:
-        for process in (node, rank0, rank1):
-            if process.poll() is None:
-                os.killpg(process.pid, signal.SIGKILL)
-            process.communicate()
+        if node.poll() is None:
+            os.killpg(node.pid, signal.SIGKILL)
+        node.communicate()
+        for rank in (rank0, rank1):
+            rank.process.kill()
+            rank.process.join()
 
 
 def _descendants(pid):
