@@ -36,9 +36,11 @@ SKIP_GPU = "needs CUDA GPUs"
 
 def Run(extra="", env=None, expect=(), files=(), status=0, before=None, timeout=300, early=False, alongside=False):
     """A command the walk runs: `extra` appended to it, `expect` in what it prints, `files` there after it. `early`:
-    it needs nothing an earlier command makes, and starts with the walk, in the background; `alongside`: it starts
-    at its turn and the walk goes on beside it, no later command needing what it makes. Either is checked, as every
-    command, once it has ended (the walk waits for it at its turn, or at the end)."""
+    it starts before its turn, in the background: True, with the walk (it needs nothing an earlier command makes);
+    a command, as soon as that command's first run is checked (it needs only what that one makes, and no command
+    before its turn changes it). `alongside`: the walk goes on beside it (started at its turn, if not early), no
+    later command needing what it makes. Each is checked, as every command, once it has ended (the walk waits for
+    it at its turn, or for one alongside at the end)."""
     return SimpleNamespace(skip=None, extra=extra, env=env or {}, expect=expect, files=files, status=status,
                            before=before, timeout=timeout, early=early, alongside=alongside)
 
@@ -101,8 +103,10 @@ WALK = {
     "data/cityscapes_synthetic/leftImg8bit/test --format labelid --what label": Run(
         expect=["2 process(es)", "wrote 20 predictions"],
         files=["predictions/labelIds/berlin/berlin_000000_000019_leftImg8bit.png.png"]),
-    "python predict.py --resume output/demo/best.pth --export model.onnx": Run(expect=["wrote model.onnx"],
-                                                                               files=["model.onnx"], alongside=True),
+    # The export needs only the demo's best.pth, which no command before its turn changes: started once it is there.
+    "python predict.py --resume output/demo/best.pth --export model.onnx": Run(
+        expect=["wrote model.onnx"], files=["model.onnx"], early="pip install -r requirements.txt && ./run.sh",
+        alongside=True),
     # docs/your-data.md
     "python synthetic.py data/my_streets --layout folder --num-train 300 --num-val 60 --size 192 96": Run(
         files=["data/my_streets/classes.json", "data/my_streets/masks/val"]),
@@ -196,7 +200,7 @@ def walk(folder):
     started, done, beside = {}, [], []  # started: a step's index -> its command, running or ended (_start)
     try:
         for number, (page, command, step) in enumerate(steps):
-            if not step.skip and step.early:
+            if not step.skip and step.early is True:
                 print(f"walk: {page}: started with the walk: {command[:90]}", flush=True)
                 started[number] = _start(command + step.extra, folder, {**env, **step.env})
         for number, (page, command, step) in enumerate(steps):
@@ -214,6 +218,11 @@ def walk(folder):
                 beside.append((page, command, step, started[number]))
             else:
                 done.append(_check(page, command, step, folder, started[number]))
+            for later, (its_page, its_command, its_step) in enumerate(steps):  # those waiting for this one's first run
+                if later > number and later not in started and not its_step.skip and its_step.early == command:
+                    print(f"walk: {its_page}: started now that it can be, beside the next commands: "
+                          f"{its_command[:90]}", flush=True)
+                    started[later] = _start(its_command + its_step.extra, folder, {**env, **its_step.env})
         for page, command, step, running in beside:
             done.append(_check(page, command, step, folder, running))
     finally:  # a command started early or alongside, still running when another failed: ended with the walk
@@ -336,7 +345,8 @@ def main():
                 times[command] = times.get(command, 0) + 1
                 step = Skip("needs a Slurm cluster") if command == SLURM else \
                     _step(WALK[command], times[command]) if command in WALK else None
-                when = "" if step is None or step.skip else ", started with the walk" if step.early else \
+                when = "" if step is None or step.skip else ", started with the walk" if step.early is True else \
+                    f", started after the first run of: {step.early}" if step.early else \
                     ", beside the next commands" if step.alongside else ""
                 how = "UNKNOWN to the walk" if step is None else f"skipped: {step.skip}" if step.skip else \
                     f"run{' with' + step.extra if step.extra else ''}{when}"
