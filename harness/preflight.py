@@ -73,9 +73,10 @@ def _complete_args(args, start):
 def check_data_and_make_outputs(args, train_set, val_set, checkpoint):
     """The data and the model, once main.py has opened and built them (on every rank, before the process group):
     the checks of check_data, the crop against the model's output stride. --check-only ends here, having written
-    nothing: exit 0, or errors.NOTHING_TO_TRAIN where the run it would resume has finished. Then rank 0, with every check passed, makes the output folders (before init_process_group, which the
-    other ranks wait in), rewrites the run's files to begin at the checkpoint's position, and opens TensorBoard's
-    writer; and from here a stop saves first (stops.preflight_ended changes what the stop signals do)."""
+    nothing: exit 0, or errors.NOTHING_TO_TRAIN where the run it would resume has finished. Then rank 0, with every
+    check passed, makes the output folders (before init_process_group, which the other ranks wait in), rewrites the
+    run's files to begin at the checkpoint's position, and opens TensorBoard's writer; and from here a stop saves
+    first (stops.preflight_ended changes what the stop signals do)."""
     crop_size = args.crop_size * 2 if len(args.crop_size) == 1 else args.crop_size
     checks.check_model_fits(args, crop_size)  # --model is known now: the checkpoint's, unless given
     world_size = args.check_only or job.get_world_size()

@@ -175,7 +175,8 @@ def test_checkpoints_that_cannot_resume_training(tiny_data, trained, tmp_path, c
     said = capsys.readouterr().out
     assert "nothing to train" in said and "done" not in said, said
     with pytest.raises(SystemExit) as exit_info:
-        main.main(main.get_args_parser().parse_args(common + ["--epochs", "1", "--resume", "auto", "--check-only", "2"]))
+        main.main(main.get_args_parser().parse_args(common + ["--epochs", "1", "--resume", "auto",
+                                                               "--check-only", "2"]))
     assert exit_info.value.code == errors.NOTHING_TO_TRAIN == 3  # run.sh reads 3
     assert capsys.readouterr().out == said.splitlines(keepends=True)[-1]  # the line main.py's train() says
     assert _snapshot(out) == before
