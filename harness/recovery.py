@@ -265,8 +265,21 @@ def _stop_files():
     return [os.path.join(RUN.guard.output_dir, ".stopped.json"), mine] if RUN.guard.output_dir else [mine]
 
 
+# How long a rank waits for rank 0 to say a mistake that every rank finds alike (_say_record_and_exit).
+RANK_0_SAYS_IT_S = 10.0
+
+
 def _say_record_and_exit(message, say_it):
-    """Say the one line, record it for the peers and for torchrun's restarts (a file: _stop_files), exit 1."""
+    """Say the one line, record it for the peers and for torchrun's restarts (a file: _stop_files), exit 1.
+    say_it=False (a mistake every rank finds alike, rank 0's to say): this rank first waits for rank 0's record.
+    Ending first, it would have torchrun stop rank 0 at once, perhaps before rank 0 said it (seen: still importing
+    torch, it said nothing, and neither did the restarts). With no record after RANK_0_SAYS_IT_S, rank 1 says it."""
+    if not say_it and get_world_size() > 1:
+        deadline = time.monotonic() + RANK_0_SAYS_IT_S
+        while not _peer_stopped_on_a_mistake() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if not _peer_stopped_on_a_mistake() and get_rank() == 1:
+            message, say_it = f"rank 1: {message}", True
     if say_it:
         print(f"{RUN.guard.program}: error: {message}", file=sys.stderr, flush=True)
         if get_world_size() > 1 or job.env().run_id is not None:

@@ -1,16 +1,18 @@
 """Nothing lost: exact resume, preemption, a killed or hung rank, bad checkpoints, a diverging loss.
 Each runs main.py on the CPU with gloo: as a user would (run.sh, plain processes) where the launch or the signals
-are the point, else in this process or in forked ranks (conftest.fork_ranks)."""
+are the point, else in this process or in forked copies of it (conftest.fork_ranks, fork_main)."""
 import contextlib
 import gc
 import json
 import os
+import pathlib
 import pty
 import select
 import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from types import SimpleNamespace
 
@@ -71,6 +73,18 @@ def _read_terminal(terminal, text, timeout=120):
     return seen
 
 
+def _wait_until_pending(pid, number, timeout=30):
+    """Until signal `number` waits for process pid (stopped, it takes none): its pending set in /proc."""
+    deadline = time.time() + timeout
+    while True:
+        with open(f"/proc/{pid}/status") as f:
+            pending = [int(line.split()[1], 16) for line in f if line.startswith(("SigPnd:", "ShdPnd:"))]
+        if any(mask >> (number - 1) & 1 for mask in pending):
+            return
+        assert time.time() < deadline, f"signal {number} never reached process {pid}"
+        time.sleep(0.02)
+
+
 def _exit_status(pid, timeout):
     deadline = time.time() + timeout
     while time.time() < deadline:
@@ -129,7 +143,15 @@ def test_preempted_mid_epoch_resumes_at_next_batch_and_matches(data24, straight,
         log = _read_terminal(terminal, f"epoch 0 step {first['step'] + 1}/6")  # the next unseen batch, not step 1
         assert "epoch 0 step 1/6" not in log
         _read_terminal(terminal, "epoch 1 step 2/6")
+        # The workers paused while the terminal closes and run.sh passes SIGHUP on, and let go once it is theirs: on a
+        # fast machine the epoch's last 4 steps (about 0.1 s each) can end before the signal has come through run.sh.
+        workers = _workers(out)
+        for worker in workers:
+            os.kill(worker, signal.SIGSTOP)
         os.close(terminal)
+        for worker in workers:
+            _wait_until_pending(worker, signal.SIGHUP)
+            os.kill(worker, signal.SIGCONT)
         assert _exit_status(pid, timeout=120) == 0
     finally:  # (torchrun and its workers, in a session of their own, go with the test's folder: conftest)
         with contextlib.suppress(ProcessLookupError):
@@ -151,9 +173,10 @@ def test_preempted_mid_epoch_resumes_at_next_batch_and_matches(data24, straight,
 def test_second_signal_exits_at_once(data24, tmp_path):
     """main.py's signal handlers in a process of its own (forked), which the second signal ends by its default
     action."""
-    # Crops of 640: a step of about 3 s with the tests' tiny model, so the second signal comes before the first is
-    # acted on (a stop is read one step late).
-    slow = [a if a != "32" else "640" for a in TRAIN_ARGS]
+    # A plain process acts on a stop at the end of the step it came in. Crops of 640 and 4 batches a step: a step of
+    # about 3 s with the tests' tiny model on a fast 2-core Xeon (4 forwards of about 0.8 s), so that the second
+    # signal, 1.5 s after the first, comes before the step ends (with 640 alone, a step of about 1 s there did not).
+    slow = [a if a != "32" else "640" for a in TRAIN_ARGS] + ["--accum-steps", "4"]
     out = str(tmp_path / "out")
     process, output = fork_main(["--data", data24, "--output-dir", out, "--epochs", "50", *slow],
                                 str(tmp_path / "said.log"))
@@ -508,6 +531,36 @@ def test_a_mistake_under_torchrun_is_said_once_and_not_restarted(tiny_data, tmp_
     errors = [line for line in output.splitlines() if "main.py: error:" in line]
     assert errors == ["main.py: error: --amp fp16 runs on CUDA only in this program; on the CPU use --amp bf16 or no "
                       "--amp"], output
+
+
+def test_a_rank_waits_for_rank_0_to_say_a_mistake_every_rank_finds_and_says_it_when_rank_0_does_not(tmp_path,
+                                                                                                       monkeypatch,
+                                                                                                       capsys):
+    """Rank 1 of 2 meets a mistake that every rank finds alike (rank 0's to say): it ends only once rank 0 has said
+    it (its record), so that torchrun does not stop rank 0 first, before it said it (test_a_mistake_under_torchrun
+    failed so); with no record, rank 1 says it after RANK_0_SAYS_IT_S. In-process: the waiting is the point."""
+    monkeypatch.setattr(recovery, "RANK_0_SAYS_IT_S", 1.0)
+    monkeypatch.setattr(job.RUN, "env", job.Environment(rank=1, world_size=2, local_rank=1, run_id="test"))
+    for rank_0_says_it in (True, False):
+        monkeypatch.setattr(job.RUN, "guard", job.Guard(output_dir=str(tmp_path / str(rank_0_says_it))))
+        if rank_0_says_it:  # rank 0's record, 0.3 s later, as _say_record_and_exit writes it
+            record = {"run_id": "test", "time": time.time() + 0.3, "message": "--lr nan must be above 0"}
+            writer = threading.Timer(0.3, lambda: (os.makedirs(job.RUN.guard.output_dir),
+                                                   pathlib.Path(recovery._stop_files()[0]).write_text(
+                                                       json.dumps(record))))
+            writer.start()
+        start = time.monotonic()
+        with pytest.raises(SystemExit) as exit_info:
+            recovery._say_record_and_exit("--lr nan must be above 0", say_it=False)
+        took, said = time.monotonic() - start, capsys.readouterr().err
+        assert exit_info.value.code == 1
+        if rank_0_says_it:
+            writer.join()
+            assert 0.3 <= took < 1.0 and said == "", (took, said)  # until rank 0's record, and nothing said
+        else:
+            assert took >= 1.0 and said == "main.py: error: rank 1: --lr nan must be above 0\n", (took, said)
+            assert json.loads(pathlib.Path(recovery._stop_files()[0]).read_text())["message"] == \
+                "rank 1: --lr nan must be above 0"  # recorded: torchrun's restarts do not say it again
 
 
 # The layout main.py wrote before the redesign of 2026-11-30, typed out: a requeued job spans such a change.

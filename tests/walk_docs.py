@@ -12,9 +12,10 @@ Where the docs allow it (arguments after ./run.sh go to main.py), the demo train
 fine-tuning on your own data 1 instead of 3, and TensorBoard's run 1 epoch of models.py's tiny model (its curves are
 the point, not the demo's model again). Two commands run beside the others, sharing the two cores with them: the
 Cityscapes scripts' install (it needs nothing the walk makes) from the start, during the demo, and the ONNX export
-(nothing after it reads model.onnx) during your own data's commands. Each is checked, as every command is, when the
-walk comes to it (the install at its place in the docs, the export after the last command), and killed then if it
-has run past its time. A SIGTERM or SIGHUP to the walk ends it as a Ctrl-C does, killing what it started.
+(it needs only the demo's best.pth, and nothing after it reads model.onnx) from the demo's end. Each is checked, as
+every command is, when the walk comes to it (the install at its place in the docs, the export after the last
+command), and killed then if it has run past its time. A SIGTERM or SIGHUP to the walk ends it as a Ctrl-C does,
+killing what it started.
 """
 import argparse
 import contextlib
