@@ -4,7 +4,7 @@ writes. Commands that need what this machine has not (GPUs, several machines, Sl
 listed below as skipped, with the reason; a command in the docs that the walk does not know fails it, and so
 does a command of the walk that the docs no longer have: the two cannot drift apart.
 
-    python tests/walk_docs.py              # all of it: about 6 minutes on 2 cores (.ci/run runs it)
+    python tests/walk_docs.py              # all of it: 3.5 to 6 minutes on 2 cores (.ci/run runs it)
     python tests/walk_docs.py --list       # the commands, in order, and what the walk does with each
     python tests/walk_docs.py --keep DIR   # walk in DIR and leave it there, to look at what was written
 
