@@ -273,13 +273,19 @@ def _say_record_and_exit(message, say_it):
     """Say the one line, record it for the peers and for torchrun's restarts (a file: _stop_files), exit 1.
     say_it=False (a mistake every rank finds alike, rank 0's to say): this rank first waits for rank 0's record.
     Ending first, it would have torchrun stop rank 0 at once, perhaps before rank 0 said it (seen: still importing
-    torch, it said nothing, and neither did the restarts). With no record after RANK_0_SAYS_IT_S, rank 1 says it."""
+    torch, it said nothing, and neither did the restarts). With no record after RANK_0_SAYS_IT_S, rank 1 says it,
+    marked "rank 1:"; the line then comes twice where rank 0 said it but rank 1 could not read its record (another
+    node, and no output folder they share). A stop while waiting (torchrun stops every worker once one has failed)
+    ends this rank without a word: rank 0's to say."""
     if not say_it and get_world_size() > 1:
         deadline = time.monotonic() + RANK_0_SAYS_IT_S
-        while not _peer_stopped_on_a_mistake() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        if not _peer_stopped_on_a_mistake() and get_rank() == 1:
-            message, say_it = f"rank 1: {message}", True
+        try:
+            while not _peer_stopped_on_a_mistake() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            if not _peer_stopped_on_a_mistake() and get_rank() == 1:
+                message, say_it = f"rank 1: {message}", True
+        except (stops.Interrupted, KeyboardInterrupt):
+            pass  # a BaseException raised inside guard's except clause would leave with a traceback
     if say_it:
         print(f"{RUN.guard.program}: error: {message}", file=sys.stderr, flush=True)
         if get_world_size() > 1 or job.env().run_id is not None:
@@ -312,24 +318,41 @@ def _read_stop_file():
 
 def _peer_stopped_on_a_mistake():
     record = _read_stop_file()
-    return record is not None and record.get("time", 0) >= RUN.guard.started
+    return record is not None and record.get("time", 0) >= _job_started()
+
+
+def _job_started():
+    """When this job began: under torchrun, when its agent started (this process's parent; every worker of every
+    attempt, on every node, starts after its node's agent met the others), else when this process began its run. A
+    record older than that is an earlier job's, also one of the same --rdzv-id. Linux's /proc says when a process
+    started; elsewhere this process's start is taken. The nodes' clocks are taken to agree within a second or two
+    (a worker writes a record no sooner than seconds after its agent started: both import torch first)."""
+    if job.env().run_id is not None:
+        with suppress(OSError, ValueError, IndexError, StopIteration):
+            with open(f"/proc/{os.getppid()}/stat") as f:
+                ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22: its start, in ticks after boot
+            with open("/proc/stat") as f:
+                boot = next(int(line.split()[1]) for line in f if line.startswith("btime "))
+            return boot + ticks / os.sysconf("SC_CLK_TCK") - 1.0  # (btime is in whole seconds)
+    return RUN.guard.started
 
 
 def _exit_or_clear_stop_record():
     """torchrun restarts every worker when one exits non-zero, whatever the reason. A worker that stopped
     on a mistake recorded it: a restarted worker of the same torchrun job exits at once, without a word
     (the line was said), so the job ends after torchrun's restarts run out, seconds later, instead of
-    meeting the same bad file again. In the first attempt, rank 0 clears a record of an earlier job."""
-    run_id = job.env().run_id
-    if run_id is None:
+    meeting the same bad file again. In the first attempt, rank 0 clears an earlier job's record (not one a
+    peer of this attempt has written meanwhile)."""
+    if job.env().run_id is None:
         return
     record = _read_stop_file()
+    of_this_job = record is not None and record.get("time", 0) >= _job_started()
     if job.env().restarts == 0:
-        if record is not None and is_main_process():
+        if is_main_process() and record is not None and not of_this_job:
             for path in _stop_files():
-                if os.path.exists(path):
+                with suppress(OSError):
                     os.remove(path)
-    elif record is not None and record.get("run_id") == run_id:
+    elif of_this_job and record.get("run_id") == job.env().run_id:
         sys.exit(1)
 
 

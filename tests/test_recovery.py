@@ -529,8 +529,9 @@ def test_a_mistake_under_torchrun_is_said_once_and_not_restarted(tiny_data, tmp_
     output = result.stdout + result.stderr
     assert result.returncode != 0
     errors = [line for line in output.splitlines() if "main.py: error:" in line]
-    assert errors == ["main.py: error: --amp fp16 runs on CUDA only in this program; on the CPU use --amp bf16 or no "
-                      "--amp"], output
+    mistake = "--amp fp16 runs on CUDA only in this program; on the CPU use --amp bf16 or no --amp"
+    # Rank 0 says it; rank 1 does, marked, only where rank 0 had not within RANK_0_SAYS_IT_S (a loaded machine).
+    assert errors in ([f"main.py: error: {mistake}"], [f"main.py: error: rank 1: {mistake}"]), output
 
 
 def test_a_rank_waits_for_rank_0_to_say_a_mistake_every_rank_finds_and_says_it_when_rank_0_does_not(tmp_path,
@@ -544,10 +545,7 @@ def test_a_rank_waits_for_rank_0_to_say_a_mistake_every_rank_finds_and_says_it_w
     for rank_0_says_it in (True, False):
         monkeypatch.setattr(job.RUN, "guard", job.Guard(output_dir=str(tmp_path / str(rank_0_says_it))))
         if rank_0_says_it:  # rank 0's record, 0.3 s later, as _say_record_and_exit writes it
-            record = {"run_id": "test", "time": time.time() + 0.3, "message": "--lr nan must be above 0"}
-            writer = threading.Timer(0.3, lambda: (os.makedirs(job.RUN.guard.output_dir),
-                                                   pathlib.Path(recovery._stop_files()[0]).write_text(
-                                                       json.dumps(record))))
+            writer = threading.Timer(0.3, _write_stop_record, ("test", time.time() + 0.3, "--lr nan must be above 0"))
             writer.start()
         start = time.monotonic()
         with pytest.raises(SystemExit) as exit_info:
@@ -561,6 +559,43 @@ def test_a_rank_waits_for_rank_0_to_say_a_mistake_every_rank_finds_and_says_it_w
             assert took >= 1.0 and said == "main.py: error: rank 1: --lr nan must be above 0\n", (took, said)
             assert json.loads(pathlib.Path(recovery._stop_files()[0]).read_text())["message"] == \
                 "rank 1: --lr nan must be above 0"  # recorded: torchrun's restarts do not say it again
+    # A stop while it waits (torchrun stops every worker once one has failed): exit 1, nothing said, no traceback.
+    def stopped(seconds):
+        raise stops.Interrupted(signal.SIGTERM)
+    monkeypatch.setattr(recovery.time, "sleep", stopped)
+    monkeypatch.setattr(job.RUN, "guard", job.Guard(output_dir=str(tmp_path / "stopped")))
+    with pytest.raises(SystemExit) as exit_info:
+        recovery._say_record_and_exit("--lr nan must be above 0", say_it=False)
+    assert exit_info.value.code == 1 and capsys.readouterr().err == ""
+
+
+def _write_stop_record(run_id, when, message):
+    """A record as _say_record_and_exit writes it."""
+    path = pathlib.Path(recovery._stop_files()[0])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"run_id": run_id, "time": when, "message": message}))
+
+
+def test_a_record_is_this_jobs_by_its_time_not_its_run_id(tmp_path, monkeypatch):
+    """torchrun's run id repeats from job to job (run.sh's --rdzv-id is "deeplab" unless RDZV_ID is set), so a
+    record is this job's when it was written after the job's torchrun began. Rank 0 of a first attempt clears an
+    earlier job's record, not one a peer of this attempt wrote meanwhile (while rank 0 was still importing torch);
+    a restarted worker ends at once on this job's record only."""
+    run_id = f"test-{os.getpid()}"
+    monkeypatch.setattr(job.RUN, "guard", job.Guard(output_dir=str(tmp_path)))
+    started = recovery._job_started()
+    for restarts, written, ends, kept in ((0, started - 60, False, False),  # an earlier job's: cleared
+                                          (0, job.RUN.guard.started - 1, False, True),  # a peer's, before this began
+                                          (1, started - 60, False, True),  # an earlier job's: not this job's stop
+                                          (1, time.time(), True, True)):
+        monkeypatch.setattr(job.RUN, "env", job.Environment(rank=0, world_size=2, run_id=run_id, restarts=restarts))
+        _write_stop_record(run_id, written, "a bad file")
+        try:
+            recovery._exit_or_clear_stop_record()
+            ended = False
+        except SystemExit as exit_info:
+            ended = exit_info.code == 1
+        assert (ended, os.path.exists(recovery._stop_files()[0])) == (ends, kept), (restarts, written - started)
 
 
 # The layout main.py wrote before the redesign of 2026-11-30, typed out: a requeued job spans such a change.
