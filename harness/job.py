@@ -5,7 +5,7 @@ the one object that holds a run's state: everything the harness remembers while 
     job.read_environment("main.py")   # at the start of a run (recovery.guard): every variable checked, once
     job.get_rank(), job.get_world_size(), job.is_main_process()   # the process group's, or before it the launcher's
     job.env().restarts, .run_id, .under_run_sh, .stop_file         # what torchrun and run.sh told this process
-    job.log("...")                    # rank 0 alone prints (with --check-only: nothing but mistakes)
+    job.log("...")                    # rank 0 alone prints; --check-only: only mistakes and "nothing to train"
     job.named("--output-dir")         # a flag as the user typed it: OUTPUT_DIR under run.sh
     job.checkpoint_path()             # OUTPUT_DIR/checkpoint.pth
     job.resume_advice()               # how to carry on a stopped run, in the user's own terms
@@ -41,7 +41,7 @@ class Environment:
 @dataclass
 class Command:
     """What this run's command says that advice must not repeat (a --resume PATH, --overwrite), where it writes, and
-    whether it speaks (--check-only reports mistakes only)."""
+    whether it speaks (--check-only reports mistakes, and a run with nothing left to train, only)."""
     resume: str | None = None           # "--resume PATH", for a PATH (not for auto)
     overwrite: str | None = None        # "--overwrite", when given
     quiet: bool = False
@@ -173,7 +173,7 @@ def log(*message):
 
 def remember_command(args, quiet=False):
     """What this run's command holds that advice must not repeat (a --resume PATH, --overwrite), where it writes,
-    and whether it speaks (--check-only reports mistakes only)."""
+    and whether it speaks (--check-only reports mistakes, and a run with nothing left to train, only)."""
     RUN.command = Command(
         resume=f"--resume {args.resume}" if getattr(args, "resume", "") not in ("", "auto") else None,
         overwrite="--overwrite" if getattr(args, "overwrite", False) else None, quiet=quiet,

@@ -142,10 +142,12 @@ def test_preempted_mid_epoch_resumes_at_next_batch_and_matches(data24, straight,
     try:
         log = _read_terminal(terminal, f"epoch 0 step {first['step'] + 1}/6")  # the next unseen batch, not step 1
         assert "epoch 0 step 1/6" not in log
-        _read_terminal(terminal, "epoch 1 step 2/6")
-        # The workers paused while the terminal closes and run.sh passes SIGHUP on, and let go once it is theirs: on a
-        # fast machine the epoch's last 4 steps (about 0.1 s each) can end before the signal has come through run.sh.
-        workers = _workers(out)
+        workers = _workers(out)  # (found now: after the line below, every millisecond counts)
+        _read_terminal(terminal, "epoch 1 step 1/6")
+        # The workers paused while the terminal closes and run.sh passes SIGHUP on, and let go once it is theirs. A
+        # stop that comes during a step acts at the end of the next one (the ranks vote on it with that step), and on
+        # a fast machine the epoch's last 5 steps take about 0.1 s each: without the pause, the epoch could end before
+        # the signal has come through run.sh.
         for worker in workers:
             os.kill(worker, signal.SIGSTOP)
         os.close(terminal)
@@ -173,9 +175,11 @@ def test_preempted_mid_epoch_resumes_at_next_batch_and_matches(data24, straight,
 def test_second_signal_exits_at_once(data24, tmp_path):
     """main.py's signal handlers in a process of its own (forked), which the second signal ends by its default
     action."""
-    # A plain process acts on a stop at the end of the step it came in. Crops of 640 and 4 batches a step: a step of
-    # about 3 s with the tests' tiny model on a fast 2-core Xeon (4 forwards of about 0.8 s), so that the second
-    # signal, 1.5 s after the first, comes before the step ends (with 640 alone, a step of about 1 s there did not).
+    # A stop joins the vote of the step it came in (or the next, if that vote was cast), and the vote is read at the
+    # end of the step after (stops.ranks_vote_to_stop): it acts a step or two later. Crops of 640 and 4 batches a
+    # step: a step of about 3 s with the tests' tiny model on a fast 2-core Xeon (4 forwards of about 0.8 s), so that
+    # the second signal, 1.5 s after the first, comes before the first acts (with 640 alone, a step of about 1 s
+    # there, it did not always).
     slow = [a if a != "32" else "640" for a in TRAIN_ARGS] + ["--accum-steps", "4"]
     out = str(tmp_path / "out")
     process, output = fork_main(["--data", data24, "--output-dir", out, "--epochs", "50", *slow],
@@ -583,7 +587,9 @@ def test_a_record_is_this_jobs_by_its_time_not_its_run_id(tmp_path, monkeypatch)
     a restarted worker ends at once on this job's record only."""
     run_id = f"test-{os.getpid()}"
     monkeypatch.setattr(job.RUN, "guard", job.Guard(output_dir=str(tmp_path)))
-    started = recovery._job_started()
+    monkeypatch.setattr(job.RUN, "env", job.Environment(rank=0, world_size=2, run_id=run_id))
+    started = recovery._job_started()  # (pytest's parent's start, standing in for torchrun's)
+    assert started < job.RUN.guard.started - 1
     for restarts, written, ends, kept in ((0, started - 60, False, False),  # an earlier job's: cleared
                                           (0, job.RUN.guard.started - 1, False, True),  # a peer's, before this began
                                           (1, started - 60, False, True),  # an earlier job's: not this job's stop

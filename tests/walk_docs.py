@@ -220,7 +220,8 @@ def walk(folder):
             else:
                 done.append(_check(page, command, step, folder, started[number]))
             for later, (its_page, its_command, its_step) in enumerate(steps):  # those waiting for this one's first run
-                if later > number and later not in started and not its_step.skip and its_step.early == command:
+                if later > number and later not in started and not its_step.skip and its_step.early == command \
+                        and not step.alongside:  # (one alongside is not checked yet: they start at their turn)
                     print(f"walk: {its_page}: started now that it can be, beside the next commands: "
                           f"{its_command[:90]}", flush=True)
                     started[later] = _start(its_command + its_step.extra, folder, {**env, **its_step.env})
