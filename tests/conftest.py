@@ -89,6 +89,16 @@ def processes_mentioning(text, *more):
 
 
 @pytest.fixture(autouse=True)
+def a_fresh_run():
+    """Each test begins with the harness's state (job.RUN) as a new process has it: a run sets its fields afresh as
+    it starts, but a test that calls one function directly would read what the test before it left (a --check-only
+    run's quiet, seen to hide predict.py's note from the next test in that worker)."""
+    from harness import job
+    for name, value in vars(job.Run()).items():
+        setattr(job.RUN, name, value)
+
+
+@pytest.fixture(autouse=True)
 def no_process_left_behind(tmp_path):
     """run.sh starts torchrun in a session of its own: a test that fails or times out must not leave it,
     or its workers, running into the next tests."""

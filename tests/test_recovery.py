@@ -543,7 +543,8 @@ def test_a_rank_waits_for_rank_0_to_say_a_mistake_every_rank_finds_and_says_it_w
                                                                                                        capsys):
     """Rank 1 of 2 meets a mistake that every rank finds alike (rank 0's to say): it ends only once rank 0 has said
     it (its record), so that torchrun does not stop rank 0 first, before it said it (test_a_mistake_under_torchrun
-    failed so); with no record, rank 1 says it after RANK_0_SAYS_IT_S. In-process: the waiting is the point."""
+    failed so); with no record, rank 1 says it after RANK_0_SAYS_IT_S, and another rank nothing; a stop while it
+    waits ends it quietly. In-process: the waiting is the point."""
     monkeypatch.setattr(recovery, "RANK_0_SAYS_IT_S", 1.0)
     monkeypatch.setattr(job.RUN, "env", job.Environment(rank=1, world_size=2, local_rank=1, run_id="test"))
     for rank_0_says_it in (True, False):
@@ -563,6 +564,12 @@ def test_a_rank_waits_for_rank_0_to_say_a_mistake_every_rank_finds_and_says_it_w
             assert took >= 1.0 and said == "main.py: error: rank 1: --lr nan must be above 0\n", (took, said)
             assert json.loads(pathlib.Path(recovery._stop_files()[0]).read_text())["message"] == \
                 "rank 1: --lr nan must be above 0"  # recorded: torchrun's restarts do not say it again
+    # Rank 2 of 3, with no record either: rank 1 says it, rank 2 nothing.
+    monkeypatch.setattr(job.RUN, "env", job.Environment(rank=2, world_size=3, local_rank=2, run_id="test"))
+    monkeypatch.setattr(job.RUN, "guard", job.Guard(output_dir=str(tmp_path / "rank 2")))
+    with pytest.raises(SystemExit) as exit_info:
+        recovery._say_record_and_exit("--lr nan must be above 0", say_it=False)
+    assert exit_info.value.code == 1 and capsys.readouterr().err == ""
     # A stop while it waits (torchrun stops every worker once one has failed): exit 1, nothing said, no traceback.
     def stopped(seconds):
         raise stops.Interrupted(signal.SIGTERM)
