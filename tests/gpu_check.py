@@ -121,33 +121,62 @@ def stop(process):
 
 
 RUNNING = set()  # the commands running now, in both chains: stopped with the check
+RUNNING_LOCK = threading.RLock()  # (reentrant: a stop may come while the main thread holds it)
+STOPPING = threading.Event()  # set once: no command starts after it
+MAIN_STARTING = False  # the main thread is inside start(), holding RUNNING_LOCK
+DEFERRED = []  # a stop signal that came meanwhile
 
 
 def start(command, env=None, **options):
-    """A command started in the repository root, and known to stop_on_signal."""
-    # PYTHON: run.sh's steps, torchrun and its workers run on this check's Python, not on `python` from PATH.
-    process = subprocess.Popen(command, cwd=ROOT, env={**os.environ, "PYTHON": PY, **(env or {})}, **options)
-    RUNNING.add(process)
-    return process
+    """A command started in the repository root, and known to _stop_all. A stop while the main thread starts one
+    (Python runs signal handlers there, between two steps of Popen too) is acted on once the command is in RUNNING:
+    else it would be left running (seen: a synthetic.py). Once the check is stopping, none starts: a chain whose
+    step the stop ended would go on to its next step; that chain waits here until the check exits."""
+    global MAIN_STARTING
+    main = threading.current_thread() is threading.main_thread()
+    try:
+        with RUNNING_LOCK:
+            MAIN_STARTING = main
+            if not STOPPING.is_set():
+                # PYTHON: run.sh's steps, torchrun and its workers run on this check's Python, not on `python` from
+                # PATH.
+                process = subprocess.Popen(command, cwd=ROOT, env={**os.environ, "PYTHON": PY, **(env or {})},
+                                           **options)
+                RUNNING.add(process)
+                return process
+    finally:
+        if main:
+            MAIN_STARTING = False
+            if DEFERRED:
+                _stop_all(DEFERRED[0], None)
+    threading.Event().wait()  # never set: os._exit in _stop_all ends this thread with the check
+
+
+def _stop_all(signum, frame):
+    """SIGTERM or Ctrl-C: every command running stopped at once (stop), then the check ends in one line."""
+    if MAIN_STARTING:  # in the main thread, interrupting start(): start() calls this again once its command is known
+        DEFERRED.append(signum)
+        return
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    with RUNNING_LOCK:
+        STOPPING.set()
+        running = [process for process in RUNNING if process.poll() is None]
+    threads = [threading.Thread(target=stop, args=(process,)) for process in running]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    print(f"gpu_check: stopped by signal {signum}; {len(running)} running command(s) stopped. The results so far "
+          "are in gpu_check.json", file=sys.stderr, flush=True)
+    os._exit(128 + signum)
 
 
 def stop_on_signal():
     """SIGTERM or Ctrl-C to the check stops every command it runs (run.sh starts torchrun in a session of its own,
     so a Ctrl-C in the terminal would not reach its workers) and ends it in one line."""
-    def stop_all(signum, frame):
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        running = [process for process in RUNNING if process.poll() is None]
-        threads = [threading.Thread(target=stop, args=(process,)) for process in running]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-        print(f"gpu_check: stopped by signal {signum}; {len(running)} running command(s) stopped. The results so far "
-              "are in gpu_check.json", file=sys.stderr, flush=True)
-        os._exit(128 + signum)
-    signal.signal(signal.SIGTERM, stop_all)
-    signal.signal(signal.SIGINT, stop_all)
+    signal.signal(signal.SIGTERM, _stop_all)
+    signal.signal(signal.SIGINT, _stop_all)
 
 
 def execute(command, env=None, timeout=600):

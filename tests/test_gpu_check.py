@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, processes_mentioning
 
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 import gpu_check  # noqa: E402
@@ -42,3 +42,42 @@ def test_its_first_step_runs(tmp_path):
         results = json.load(f)
     assert results["dry_run"] is True and "data_s" in results, results
     assert os.path.isdir(os.path.join(out, "work", "full", "leftImg8bit", "train"))
+
+
+def test_a_stop_while_the_check_starts_a_command_stops_that_command_too(tmp_path):
+    """A stop signal comes while the main thread is inside start(): after the command began, before it was
+    recorded in RUNNING (Python runs the handler there). The check ends, and the command with it (seen: a
+    synthetic.py left running when test_stops' check was stopped just after it began). Forked: the check's handler
+    ends its process."""
+    import multiprocessing
+    import signal
+    import time
+    marker = tmp_path / "a-command"
+    marker.touch()
+    marker = str(marker)
+
+    def check():
+        real = gpu_check.subprocess.Popen
+
+        def popen_then_stop(*args, **options):
+            process = real(*args, **options)
+            os.kill(os.getpid(), signal.SIGTERM)  # handled before Popen() has returned
+            return process
+
+        gpu_check.subprocess.Popen = popen_then_stop
+        gpu_check.stop_on_signal()
+        gpu_check.start(["tail", "-f", marker])  # runs until stopped
+        os._exit(0)  # not reached when the stop ends the check
+
+    process = multiprocessing.get_context("fork").Process(target=check)
+    process.start()
+    process.join(timeout=30)
+    try:
+        assert process.exitcode == 128 + signal.SIGTERM
+        deadline = time.time() + 5
+        while processes_mentioning(marker) and time.time() < deadline:
+            time.sleep(0.05)
+        assert not processes_mentioning(marker), "the command it was starting runs on"
+    finally:
+        for pid in processes_mentioning(marker):
+            os.kill(pid, signal.SIGKILL)
