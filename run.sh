@@ -181,8 +181,8 @@ MAIN=("$ROOT/main.py" --data "$DATA" --output-dir "$OUTPUT_DIR" --resume auto "$
 # line, instead of in every worker, in torchrun's report, and again in each of torchrun's restarts.
 # Exit status 3 (harness/errors.py's NOTHING_TO_TRAIN): the run it would resume has finished, and the check said
 # so. On one node that is all: no worker would do more than say it again. Several nodes still start torchrun: each
-# node's check decides alone, and a node that left would hold the others at the rendezvous for up to JOIN_TIMEOUT.
-# Their workers then compare what each rank resumes from (a stale copy of the checkpoint on one node ends the run
+# node's check decides alone, and a node that stopped here would keep the others waiting at the rendezvous for up
+# to JOIN_TIMEOUT. The workers then compare what each rank resumes from (a stale copy of the checkpoint on one node ends the run
 # with one line, not a hang), and rank 0 says "nothing to train" again.
 STATUS=0
 run_step "checking the arguments and the data" "$PYTHON" "${MAIN[@]}" --check-only "$WORLD" || STATUS=$?

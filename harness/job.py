@@ -5,7 +5,7 @@ the one object that holds a run's state: everything the harness remembers while 
     job.read_environment("main.py")   # at the start of a run (recovery.guard): every variable checked, once
     job.get_rank(), job.get_world_size(), job.is_main_process()   # the process group's, or before it the launcher's
     job.env().restarts, .run_id, .under_run_sh, .stop_file         # what torchrun and run.sh told this process
-    job.log("...")                    # rank 0 alone prints; --check-only: only mistakes and "nothing to train"
+    job.log("...")                    # rank 0 alone prints; silent with --check-only (which prints its lines itself)
     job.named("--output-dir")         # a flag as the user typed it: OUTPUT_DIR under run.sh
     job.checkpoint_path()             # OUTPUT_DIR/checkpoint.pth
     job.resume_advice()               # how to carry on a stopped run, in the user's own terms
@@ -32,7 +32,8 @@ class Environment:
     distributed: bool = False
     master: str = "?:?"                 # MASTER_ADDR:MASTER_PORT
     restarts: int = 0                   # TORCHELASTIC_RESTART_COUNT: torchrun's restarts after a failure
-    run_id: str | None = None           # TORCHELASTIC_RUN_ID: one torchrun job (all its restarts)
+    run_id: str | None = None           # TORCHELASTIC_RUN_ID: a torchrun job's (--standalone: drawn anew; else the
+                                        # --rdzv-id given, which later jobs may give again)
     under_run_sh: bool = False          # DEEPLAB_RUN_SH=1: the user typed ./run.sh and its variables
     stop_file: str | None = None        # DEEPLAB_STOP_FILE: where run.sh writes the first stop signal's name
 
@@ -41,7 +42,7 @@ class Environment:
 @dataclass
 class Command:
     """What this run's command says that advice must not repeat (a --resume PATH, --overwrite), where it writes, and
-    whether it speaks (--check-only reports mistakes, and a run with nothing left to train, only)."""
+    whether it speaks (--check-only says only a mistake, or that there is nothing left to train)."""
     resume: str | None = None           # "--resume PATH", for a PATH (not for auto)
     overwrite: str | None = None        # "--overwrite", when given
     quiet: bool = False
@@ -173,7 +174,7 @@ def log(*message):
 
 def remember_command(args, quiet=False):
     """What this run's command holds that advice must not repeat (a --resume PATH, --overwrite), where it writes,
-    and whether it speaks (--check-only reports mistakes, and a run with nothing left to train, only)."""
+    and whether it speaks (--check-only says only a mistake, or that there is nothing left to train)."""
     RUN.command = Command(
         resume=f"--resume {args.resume}" if getattr(args, "resume", "") not in ("", "auto") else None,
         overwrite="--overwrite" if getattr(args, "overwrite", False) else None, quiet=quiet,

@@ -83,7 +83,7 @@ def check_data_and_make_outputs(args, train_set, val_set, checkpoint):
     check_data(args, crop_size, train_set, val_set, world_size)
     records.check_predictions_folder(args, val_set)  # no data set's masks replaced by predictions
     if args.check_only:
-        # main.py train()'s test and line, word for word
+        # main.py train()'s test for a resumed checkpoint, and its line word for word
         if checkpoint and not args.evaluate and checkpoint["epoch"] >= args.epochs:
             print(f"nothing to train: {args.resume} has finished {checkpoint['epoch']} epochs, as many as --epochs "
                   f"{args.epochs} asks or more; raise --epochs to train longer, or evaluate it with -e", flush=True)

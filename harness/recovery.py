@@ -272,8 +272,9 @@ RANK_0_SAYS_IT_S = 10.0
 def _say_record_and_exit(message, say_it):
     """Say the one line, record it for the peers and for torchrun's restarts (a file: _stop_files), exit 1.
     say_it=False (a mistake every rank finds alike, rank 0's to say): this rank first waits for rank 0's record.
-    Ending first, it would have torchrun stop rank 0, perhaps before rank 0 said it (seen under torchrun without
-    run.sh, whose SIGTERM ended rank 0 while it was still importing torch: nothing was said, nor by the restarts).
+    Ending first, it would have torchrun stop rank 0, perhaps before rank 0 said it (seen with torchrun started
+    directly, not by run.sh: its SIGTERM killed rank 0 while it was still importing torch, and nothing was said,
+    nor by the restarts).
     With no record after RANK_0_SAYS_IT_S, rank 1 says it, marked "rank 1:"; the line then comes twice where rank 0
     said it but rank 1 could not read its record (another node, and no output folder they share). A stop while
     waiting (torchrun stops every worker once one has failed) ends this rank without a word: rank 0's to say."""
@@ -285,7 +286,7 @@ def _say_record_and_exit(message, say_it):
             if not _peer_stopped_on_a_mistake() and get_rank() == 1:
                 message, say_it = f"rank 1: {message}", True
         except (stops.Interrupted, KeyboardInterrupt):
-            pass  # a BaseException raised inside guard's except clause would leave with a traceback
+            pass  # raised here, inside guard's except clause, it would escape guard with a traceback
     if say_it:
         print(f"{RUN.guard.program}: error: {message}", file=sys.stderr, flush=True)
         if get_world_size() > 1 or job.env().run_id is not None:
@@ -306,54 +307,68 @@ def _say_record_and_exit(message, say_it):
     sys.exit(1)
 
 
-def _read_stop_file():
+def _stop_records():
+    """[(path, record)] of the records that can be read, in _stop_files' order."""
+    records = []
     for path in _stop_files():
         try:
             with open(path) as f:
-                return json.load(f)
+                records.append((path, json.load(f)))
         except (OSError, ValueError):
             pass
-    return None
+    return records
 
 
 def _peer_stopped_on_a_mistake():
-    record = _read_stop_file()
-    return record is not None and record.get("time", 0) >= _job_started()
+    """A mistake was said and recorded since this job (else this run) began."""
+    started = _job_started() or RUN.guard.started
+    return any(record.get("time", 0) >= started for _, record in _stop_records())
 
 
 def _job_started():
-    """When this job began: under torchrun, when its agent started (this process's parent; every worker of every
-    attempt, on every node, starts after its node's agent met the others), else when this process began its run. A
-    record older than that is an earlier job's, also one of the same --rdzv-id. Linux's /proc says when a process
-    started; elsewhere this process's start is taken. The nodes' clocks are taken to agree within a second or two
-    (a worker writes a record no sooner than seconds after its agent started: both import torch first)."""
-    if job.env().run_id is not None:
-        with suppress(OSError, ValueError, IndexError, StopIteration):
-            with open(f"/proc/{os.getppid()}/stat") as f:
-                ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22: its start, in ticks after boot
-            with open("/proc/stat") as f:
-                boot = next(int(line.split()[1]) for line in f if line.startswith("btime "))
-            return boot + ticks / os.sysconf("SC_CLK_TCK") - 1.0  # (btime is in whole seconds)
-    return RUN.guard.started
+    """When this job began, or None where it cannot be told. Under torchrun: when this node's torchrun agent (this
+    process's parent) started, read from Linux's /proc. Every worker of every attempt on every node starts after
+    the rendezvous, so after every agent started: a record older than that is an earlier job's, also where jobs
+    share a run id (run.sh's --rdzv-id on several nodes). The nodes' clocks must agree within a few seconds (a
+    record comes seconds after its agent started: both import torch first). A program that forks between torchrun
+    and Python (`--no-python` with a script that does not `exec`, a profiler) is taken for the agent: then a
+    restart may say a mistake again."""
+    if job.env().run_id is None:
+        return None
+    with suppress(OSError, ValueError, IndexError, StopIteration):
+        with open(f"/proc/{os.getppid()}/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22: its start, in ticks after boot
+        with open("/proc/stat") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith("btime "))
+        # A second's margin for the nodes' clocks (btime and the ticks both round down, the safe way); and never
+        # after this run began (a container's /proc/stat may give the host's boot).
+        return min(boot + ticks / os.sysconf("SC_CLK_TCK") - 1.0, RUN.guard.started)
+    return None
 
 
 def _exit_or_clear_stop_record():
-    """torchrun restarts every worker when one exits non-zero, whatever the reason. A worker that stopped
-    on a mistake recorded it: a restarted worker of the same torchrun job exits at once, without a word
-    (the line was said), so the job ends after torchrun's restarts run out, seconds later, instead of
-    meeting the same bad file again. In the first attempt, rank 0 clears an earlier job's record (not one a
-    peer of this attempt has written meanwhile)."""
-    if job.env().run_id is None:
+    """torchrun restarts every worker when one exits non-zero, whatever the reason. A worker that stopped on a
+    mistake recorded it: a worker of the same torchrun job that starts after it exits at once, without a word (the
+    line was said), so the job ends after torchrun's restarts run out, seconds later, instead of meeting the same
+    bad file again. That is any worker started after the record (another node's agent restarts its workers
+    without counting a restart) where /proc tells when the job began, and a restarted one elsewhere. Rank 0 of a
+    first attempt removes an earlier job's record."""
+    run_id = job.env().run_id
+    if run_id is None:
         return
-    record = _read_stop_file()
-    of_this_job = record is not None and record.get("time", 0) >= _job_started()
-    if job.env().restarts == 0:
-        if is_main_process() and record is not None and not of_this_job:
-            for path in _stop_files():
-                with suppress(OSError):
-                    os.remove(path)
-    elif of_this_job and record.get("run_id") == job.env().run_id:
-        sys.exit(1)
+    started = _job_started()
+    for path, record in _stop_records():
+        if record.get("run_id") != run_id:
+            this_job = False
+        elif started is not None:
+            this_job = record.get("time", 0) >= started
+        else:
+            this_job = job.env().restarts > 0
+        if this_job:
+            sys.exit(1)
+        if is_main_process() and job.env().restarts == 0:
+            with suppress(OSError):
+                os.remove(path)
 
 
 # --- a lost peer, and the wait for the peers ------------------------------------------------------------------

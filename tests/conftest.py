@@ -93,7 +93,11 @@ def a_fresh_run():
     """Each test begins with the harness's state (job.RUN) as a new process has it: a run sets its fields afresh as
     it starts, but a test that calls one function directly would read what the test before it left (a --check-only
     run's quiet, seen to hide predict.py's note from the next test in that worker)."""
-    from harness import job
+    from harness import job, paths, records, recovery, stops
+    stops.restore()  # what an earlier test left is let go first: its signal handlers, heartbeat, writer, folder hold
+    recovery.stop_heartbeat()
+    records.close_tensorboard()
+    paths.release_output()
     for name, value in vars(job.Run()).items():
         setattr(job.RUN, name, value)
 

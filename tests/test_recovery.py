@@ -142,11 +142,11 @@ def test_preempted_mid_epoch_resumes_at_next_batch_and_matches(data24, straight,
     try:
         log = _read_terminal(terminal, f"epoch 0 step {first['step'] + 1}/6")  # the next unseen batch, not step 1
         assert "epoch 0 step 1/6" not in log
-        workers = _workers(out)  # (found now: after the line below, every millisecond counts)
+        workers = _workers(out)  # (looked up before waiting for the line below: once it appears, every millisecond counts)
         _read_terminal(terminal, "epoch 1 step 1/6")
         # The workers paused while the terminal closes and run.sh passes SIGHUP on, and let go once it is theirs. A
-        # stop that comes during a step acts at the end of the next one (the ranks vote on it with that step), and on
-        # a fast machine the epoch's last 5 steps take about 0.1 s each: without the pause, the epoch could end before
+        # stop that comes during a step acts at the end of the next step or the one after (stops.ranks_vote_to_stop),
+        # and on a fast machine the epoch's last 5 steps take about 0.1 s each: without the pause, the epoch could end before
         # the signal has come through run.sh.
         for worker in workers:
             os.kill(worker, signal.SIGSTOP)
@@ -571,9 +571,10 @@ def test_a_rank_waits_for_rank_0_to_say_a_mistake_every_rank_finds_and_says_it_w
         recovery._say_record_and_exit("--lr nan must be above 0", say_it=False)
     assert exit_info.value.code == 1 and capsys.readouterr().err == ""
     # A stop while it waits (torchrun stops every worker once one has failed): exit 1, nothing said, no traceback.
-    def stopped(seconds):
+    def stopped():
         raise stops.Interrupted(signal.SIGTERM)
-    monkeypatch.setattr(recovery.time, "sleep", stopped)
+    monkeypatch.setattr(recovery, "_peer_stopped_on_a_mistake", stopped)
+    monkeypatch.setattr(job.RUN, "env", job.Environment(rank=1, world_size=2, local_rank=1, run_id="test"))
     monkeypatch.setattr(job.RUN, "guard", job.Guard(output_dir=str(tmp_path / "stopped")))
     with pytest.raises(SystemExit) as exit_info:
         recovery._say_record_and_exit("--lr nan must be above 0", say_it=False)
@@ -588,27 +589,36 @@ def _write_stop_record(run_id, when, message):
 
 
 def test_a_record_is_this_jobs_by_its_time_not_its_run_id(tmp_path, monkeypatch):
-    """torchrun's run id repeats from job to job (run.sh's --rdzv-id is "deeplab" unless RDZV_ID is set), so a
-    record is this job's when it was written after the job's torchrun began. Rank 0 of a first attempt clears an
-    earlier job's record, not one a peer of this attempt wrote meanwhile (while rank 0 was still importing torch);
-    a restarted worker ends at once on this job's record only."""
+    """A run id can repeat from job to job (on several nodes run.sh passes --rdzv-id deeplab unless RDZV_ID is
+    set), so a record is this job's when it was written after this node's torchrun began (its start read from
+    /proc, checked here against ps). Any worker that starts after this job's record ends at once: a restarted one,
+    one of a node whose agent restarted it without counting a restart, or rank 0 starting late. Rank 0 of a first
+    attempt removes an earlier job's record. Where the start cannot be read, only a restarted worker ends."""
     run_id = f"test-{os.getpid()}"
     monkeypatch.setattr(job.RUN, "guard", job.Guard(output_dir=str(tmp_path)))
     monkeypatch.setattr(job.RUN, "env", job.Environment(rank=0, world_size=2, run_id=run_id))
     started = recovery._job_started()  # (pytest's parent's start, standing in for torchrun's)
-    assert started < job.RUN.guard.started - 1
-    for restarts, written, ends, kept in ((0, started - 60, False, False),  # an earlier job's: cleared
-                                          (0, job.RUN.guard.started - 1, False, True),  # a peer's, before this began
-                                          (1, started - 60, False, True),  # an earlier job's: not this job's stop
-                                          (1, time.time(), True, True)):
-        monkeypatch.setattr(job.RUN, "env", job.Environment(rank=0, world_size=2, run_id=run_id, restarts=restarts))
-        _write_stop_record(run_id, written, "a bad file")
-        try:
-            recovery._exit_or_clear_stop_record()
-            ended = False
-        except SystemExit as exit_info:
-            ended = exit_info.code == 1
-        assert (ended, os.path.exists(recovery._stop_files()[0])) == (ends, kept), (restarts, written - started)
+    age = int(subprocess.run(["ps", "-o", "etimes=", "-p", str(os.getppid())], capture_output=True, text=True,
+                             check=True).stdout)
+    assert abs(started + 1 - (time.time() - age)) < 3 and started < job.RUN.guard.started - 1
+    known = ((0, started - 60, False, False),  # an earlier job's: removed
+             (0, job.RUN.guard.started - 1, True, True),  # this job's, written before this worker began
+             (1, started - 60, False, True),  # an earlier job's: not this job's stop
+             (1, time.time(), True, True))
+    unknown = ((0, time.time(), False, False), (1, time.time(), True, True))
+    for job_started, rows in ((started, known), (None, unknown)):
+        monkeypatch.setattr(recovery, "_job_started", lambda: job_started)
+        for restarts, written, ends, kept in rows:
+            monkeypatch.setattr(job.RUN, "env", job.Environment(rank=0, world_size=2, run_id=run_id,
+                                                                restarts=restarts))
+            _write_stop_record(run_id, written, "a bad file")
+            try:
+                recovery._exit_or_clear_stop_record()
+                ended = False
+            except SystemExit as exit_info:
+                ended = exit_info.code == 1
+            assert (ended, os.path.exists(recovery._stop_files()[0])) == (ends, kept), (job_started, restarts,
+                                                                                         written - started)
 
 
 # The layout main.py wrote before the redesign of 2026-11-30, typed out: a requeued job spans such a change.

@@ -39,7 +39,8 @@ def Run(extra="", env=None, expect=(), files=(), status=0, before=None, timeout=
     """A command the walk runs: `extra` appended to it, `expect` in what it prints, `files` there after it. `early`:
     it starts before its turn, in the background: True, with the walk (it needs nothing an earlier command makes);
     a command, as soon as that command's first run is checked (it needs only what that one makes, and no command
-    before its turn changes it). `alongside`: the walk goes on beside it (started at its turn, if not early), no
+    before its turn changes it; one that runs alongside is checked at the end, so what waits for it starts at its
+    own turn). `alongside`: the walk goes on beside it (started at its turn, if not early), no
     later command needing what it makes. Each is checked, as every command, once it has ended (the walk waits for
     it at its turn, or for one alongside at the end)."""
     return SimpleNamespace(skip=None, extra=extra, env=env or {}, expect=expect, files=files, status=status,
@@ -221,7 +222,7 @@ def walk(folder):
                 done.append(_check(page, command, step, folder, started[number]))
             for later, (its_page, its_command, its_step) in enumerate(steps):  # those waiting for this one's first run
                 if later > number and later not in started and not its_step.skip and its_step.early == command \
-                        and not step.alongside:  # (one alongside is not checked yet: they start at their turn)
+                        and not step.alongside:  # (one alongside is checked at the end: see Run)
                     print(f"walk: {its_page}: started now that it can be, beside the next commands: "
                           f"{its_command[:90]}", flush=True)
                     started[later] = _start(its_command + its_step.extra, folder, {**env, **its_step.env})
