@@ -182,8 +182,8 @@ MAIN=("$ROOT/main.py" --data "$DATA" --output-dir "$OUTPUT_DIR" --resume auto "$
 # Exit status 3 (harness/errors.py's NOTHING_TO_TRAIN): the run it would resume has finished, and the check said
 # so. On one node that is all: no worker would do more than say it again. Several nodes still start torchrun: each
 # node's check decides alone, and a node that stopped here would keep the others waiting at the rendezvous for up
-# to JOIN_TIMEOUT. The workers then compare what each rank resumes from (a stale copy of the checkpoint on one node ends the run
-# with one line, not a hang), and rank 0 says "nothing to train" again.
+# to JOIN_TIMEOUT. The workers then compare what each rank resumes from (a stale copy of the checkpoint on one node
+# ends the run with one line, not a hang), and rank 0 says "nothing to train" again.
 STATUS=0
 run_step "checking the arguments and the data" "$PYTHON" "${MAIN[@]}" --check-only "$WORLD" || STATUS=$?
 if [ "$STATUS" -eq 3 ] && [ "$NNODES" -eq 1 ]; then exit 0; fi

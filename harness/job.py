@@ -32,8 +32,8 @@ class Environment:
     distributed: bool = False
     master: str = "?:?"                 # MASTER_ADDR:MASTER_PORT
     restarts: int = 0                   # TORCHELASTIC_RESTART_COUNT: torchrun's restarts after a failure
-    run_id: str | None = None           # TORCHELASTIC_RUN_ID: a torchrun job's (--standalone: drawn anew; else the
-                                        # --rdzv-id given, which later jobs may give again)
+    run_id: str | None = None           # TORCHELASTIC_RUN_ID: --standalone: a new random id per job; else --rdzv-id
+                                        # (torchrun's default "none", run.sh's "deeplab"), which later jobs may repeat
     under_run_sh: bool = False          # DEEPLAB_RUN_SH=1: the user typed ./run.sh and its variables
     stop_file: str | None = None        # DEEPLAB_STOP_FILE: where run.sh writes the first stop signal's name
 

@@ -273,7 +273,7 @@ def _say_record_and_exit(message, say_it):
     """Say the one line, record it for the peers and for torchrun's restarts (a file: _stop_files), exit 1.
     say_it=False (a mistake every rank finds alike, rank 0's to say): this rank first waits for rank 0's record.
     Ending first, it would have torchrun stop rank 0, perhaps before rank 0 said it (seen with torchrun started
-    directly, not by run.sh: its SIGTERM killed rank 0 while it was still importing torch, and nothing was said,
+    directly, not by run.sh: torchrun's SIGTERM killed rank 0 while it was still importing torch, and nothing was said,
     nor by the restarts).
     With no record after RANK_0_SAYS_IT_S, rank 1 says it, marked "rank 1:"; the line then comes twice where rank 0
     said it but rank 1 could not read its record (another node, and no output folder they share). A stop while
@@ -308,31 +308,32 @@ def _say_record_and_exit(message, say_it):
 
 
 def _stop_records():
-    """[(path, record)] of the records that can be read, in _stop_files' order."""
+    """[(path, record)] of the records that can be read, in _stop_files' order (a file of another kind is none)."""
     records = []
     for path in _stop_files():
         try:
             with open(path) as f:
-                records.append((path, json.load(f)))
+                record = json.load(f)
         except (OSError, ValueError):
-            pass
+            continue
+        if isinstance(record, dict) and isinstance(record.get("time"), (int, float)):
+            records.append((path, record))
     return records
 
 
 def _peer_stopped_on_a_mistake():
     """A mistake was said and recorded since this job (else this run) began."""
     started = _job_started() or RUN.guard.started
-    return any(record.get("time", 0) >= started for _, record in _stop_records())
+    return any(record["time"] >= started for _, record in _stop_records())
 
 
 def _job_started():
-    """When this job began, or None where it cannot be told. Under torchrun: when this node's torchrun agent (this
-    process's parent) started, read from Linux's /proc. Every worker of every attempt on every node starts after
-    the rendezvous, so after every agent started: a record older than that is an earlier job's, also where jobs
-    share a run id (run.sh's --rdzv-id on several nodes). The nodes' clocks must agree within a few seconds (a
-    record comes seconds after its agent started: both import torch first). A program that forks between torchrun
-    and Python (`--no-python` with a script that does not `exec`, a profiler) is taken for the agent: then a
-    restart may say a mistake again."""
+    """When this job's torchrun agent on this node started; None outside torchrun or where Linux's /proc cannot
+    be read. The agent is this process's parent. Every worker of every attempt on every node starts after the
+    rendezvous, so after every agent of a fixed --nnodes started: a record older than that is an earlier job's,
+    also where jobs share a run id (run.sh's --rdzv-id on several nodes). A program that forks between torchrun and
+    Python (`--no-python` with a script that does not `exec`, a profiler) is taken for the agent: then a restart
+    may say a mistake again."""
     if job.env().run_id is None:
         return None
     with suppress(OSError, ValueError, IndexError, StopIteration):
@@ -340,33 +341,35 @@ def _job_started():
             ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22: its start, in ticks after boot
         with open("/proc/stat") as f:
             boot = next(int(line.split()[1]) for line in f if line.startswith("btime "))
-        # A second's margin for the nodes' clocks (btime and the ticks both round down, the safe way); and never
-        # after this run began (a container's /proc/stat may give the host's boot).
+        # 1 s earlier, so that a record stamped by a node whose clock runs behind still counts (the worker's seconds
+        # of importing torch add to that; rounding btime and the ticks down only moves it earlier too). Capped at
+        # this process's own start, in case /proc's figures are not of one boot.
         return min(boot + ticks / os.sysconf("SC_CLK_TCK") - 1.0, RUN.guard.started)
     return None
 
 
 def _exit_or_clear_stop_record():
     """torchrun restarts every worker when one exits non-zero, whatever the reason. A worker that stopped on a
-    mistake recorded it: a worker of the same torchrun job that starts after it exits at once, without a word (the
-    line was said), so the job ends after torchrun's restarts run out, seconds later, instead of meeting the same
-    bad file again. That is any worker started after the record (another node's agent restarts its workers
-    without counting a restart) where /proc tells when the job began, and a restarted one elsewhere. Rank 0 of a
-    first attempt removes an earlier job's record."""
+    mistake (or ran out of memory, or did not meet its peers) recorded it. A worker that finds a record of this job
+    (its run id, written since this node's agent started) exits 1 at once without a word: a restart, a worker whose
+    agent restarted it without counting a restart (another node's failure: its TORCHELASTIC_RESTART_COUNT stays 0),
+    or a rank 0 still starting when a peer failed. The job then ends within seconds, once torchrun's restarts run
+    out, instead of meeting the same bad file again. With /proc nothing is removed: the time tells an earlier job's
+    record apart. Where /proc cannot tell when the agent started, only a worker with a restart count above 0
+    exits, and rank 0 with a count of 0 removes the records it reads (an earlier job's; rarely, one that a peer of
+    this attempt has just written)."""
     run_id = job.env().run_id
     if run_id is None:
         return
     started = _job_started()
     for path, record in _stop_records():
-        if record.get("run_id") != run_id:
-            this_job = False
-        elif started is not None:
-            this_job = record.get("time", 0) >= started
-        else:
-            this_job = job.env().restarts > 0
-        if this_job:
-            sys.exit(1)
-        if is_main_process() and job.env().restarts == 0:
+        if started is not None:
+            if record.get("run_id") == run_id and record["time"] >= started:
+                sys.exit(1)
+        elif job.env().restarts > 0:
+            if record.get("run_id") == run_id:
+                sys.exit(1)
+        elif is_main_process():
             with suppress(OSError):
                 os.remove(path)
 

@@ -94,7 +94,9 @@ def a_fresh_run():
     it starts, but a test that calls one function directly would read what the test before it left (a --check-only
     run's quiet, seen to hide predict.py's note from the next test in that worker)."""
     from harness import job, paths, records, recovery, stops
-    stops.restore()  # what an earlier test left is let go first: its signal handlers, heartbeat, writer, folder hold
+    # First let go of what an earlier test left on job.RUN: signal handlers and the stdout/stderr wrappers, the
+    # heartbeat, the TensorBoard writer, the output folder's hold.
+    stops.restore()
     recovery.stop_heartbeat()
     records.close_tensorboard()
     paths.release_output()

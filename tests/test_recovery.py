@@ -142,12 +142,12 @@ def test_preempted_mid_epoch_resumes_at_next_batch_and_matches(data24, straight,
     try:
         log = _read_terminal(terminal, f"epoch 0 step {first['step'] + 1}/6")  # the next unseen batch, not step 1
         assert "epoch 0 step 1/6" not in log
-        workers = _workers(out)  # (looked up before waiting for the line below: once it appears, every millisecond counts)
+        workers = _workers(out)  # (looked up before the line below: once it appears, every millisecond counts)
         _read_terminal(terminal, "epoch 1 step 1/6")
         # The workers paused while the terminal closes and run.sh passes SIGHUP on, and let go once it is theirs. A
         # stop that comes during a step acts at the end of the next step or the one after (stops.ranks_vote_to_stop),
-        # and on a fast machine the epoch's last 5 steps take about 0.1 s each: without the pause, the epoch could end before
-        # the signal has come through run.sh.
+        # and on a fast machine the epoch's last 5 steps take about 0.1 s each: without the pause, the epoch could
+        # end before the signal has come through run.sh.
         for worker in workers:
             os.kill(worker, signal.SIGSTOP)
         os.close(terminal)
@@ -588,12 +588,12 @@ def _write_stop_record(run_id, when, message):
     path.write_text(json.dumps({"run_id": run_id, "time": when, "message": message}))
 
 
-def test_a_record_is_this_jobs_by_its_time_not_its_run_id(tmp_path, monkeypatch):
-    """A run id can repeat from job to job (on several nodes run.sh passes --rdzv-id deeplab unless RDZV_ID is
-    set), so a record is this job's when it was written after this node's torchrun began (its start read from
-    /proc, checked here against ps). Any worker that starts after this job's record ends at once: a restarted one,
-    one of a node whose agent restarted it without counting a restart, or rank 0 starting late. Rank 0 of a first
-    attempt removes an earlier job's record. Where the start cannot be read, only a restarted worker ends."""
+def test_a_record_is_this_jobs_by_its_run_id_and_time(tmp_path, monkeypatch):
+    """A run id can repeat from job to job (run.sh on several nodes passes --rdzv-id deeplab unless RDZV_ID is set),
+    so a record is this job's when it has this job's run id and was written after this node's torchrun agent
+    started (read from /proc; here pytest's parent, checked against ps). A worker that finds this job's record
+    exits at once, in a first attempt too; an earlier job's or another run id's record is left alone. Where the
+    start cannot be read, only a restarted worker exits, and rank 0 of a first attempt removes the records."""
     run_id = f"test-{os.getpid()}"
     monkeypatch.setattr(job.RUN, "guard", job.Guard(output_dir=str(tmp_path)))
     monkeypatch.setattr(job.RUN, "env", job.Environment(rank=0, world_size=2, run_id=run_id))
@@ -601,24 +601,27 @@ def test_a_record_is_this_jobs_by_its_time_not_its_run_id(tmp_path, monkeypatch)
     age = int(subprocess.run(["ps", "-o", "etimes=", "-p", str(os.getppid())], capture_output=True, text=True,
                              check=True).stdout)
     assert abs(started + 1 - (time.time() - age)) < 3 and started < job.RUN.guard.started - 1
-    known = ((0, started - 60, False, False),  # an earlier job's: removed
-             (0, job.RUN.guard.started - 1, True, True),  # this job's, written before this worker began
-             (1, started - 60, False, True),  # an earlier job's: not this job's stop
-             (1, time.time(), True, True))
-    unknown = ((0, time.time(), False, False), (1, time.time(), True, True))
+    known = ((0, run_id, started - 60, False, True),  # an earlier job's: not this job's stop
+             (0, run_id, job.RUN.guard.started - 1, True, True),  # this job's, written before this worker began
+             (0, "another", time.time(), False, True),
+             (1, run_id, started - 60, False, True),
+             (1, run_id, time.time(), True, True))
+    unknown = ((0, run_id, time.time(), False, False), (1, run_id, time.time(), True, True))
     for job_started, rows in ((started, known), (None, unknown)):
         monkeypatch.setattr(recovery, "_job_started", lambda: job_started)
-        for restarts, written, ends, kept in rows:
+        for restarts, its_run_id, written, ends, kept in rows:
             monkeypatch.setattr(job.RUN, "env", job.Environment(rank=0, world_size=2, run_id=run_id,
                                                                 restarts=restarts))
-            _write_stop_record(run_id, written, "a bad file")
+            _write_stop_record(its_run_id, written, "a bad file")
             try:
                 recovery._exit_or_clear_stop_record()
                 ended = False
             except SystemExit as exit_info:
                 ended = exit_info.code == 1
             assert (ended, os.path.exists(recovery._stop_files()[0])) == (ends, kept), (job_started, restarts,
-                                                                                         written - started)
+                                                                                         its_run_id, written - started)
+    pathlib.Path(recovery._stop_files()[0]).write_text("[]")  # a file of another kind: no record, no traceback
+    recovery._exit_or_clear_stop_record()
 
 
 # The layout main.py wrote before the redesign of 2026-11-30, typed out: a requeued job spans such a change.
