@@ -273,11 +273,11 @@ def _say_record_and_exit(message, say_it):
     """Say the one line, record it for the peers and for torchrun's restarts (a file: _stop_files), exit 1.
     say_it=False (a mistake every rank finds alike, rank 0's to say): this rank first waits for rank 0's record.
     Ending first, it would have torchrun stop rank 0, perhaps before rank 0 said it (seen with torchrun started
-    directly, not by run.sh: torchrun's SIGTERM killed rank 0 while it was still importing torch, and nothing was said,
-    nor by the restarts).
-    With no record after RANK_0_SAYS_IT_S, rank 1 says it, marked "rank 1:"; the line then comes twice where rank 0
-    said it but rank 1 could not read its record (another node, and no output folder they share). A stop while
-    waiting (torchrun stops every worker once one has failed) ends this rank without a word: rank 0's to say."""
+    directly, not by run.sh: torchrun's SIGTERM killed rank 0 while it was still importing torch, and nothing was
+    said, nor by the restarts). With no record after RANK_0_SAYS_IT_S, rank 1 says it, marked "rank 1:"; the line
+    then comes twice where rank 0 said it but rank 1 could not read its record (another node, and no output folder
+    they share). A stop while waiting (torchrun stops every worker once one has failed) ends this rank without a
+    word: rank 0's to say."""
     if not say_it and get_world_size() > 1:
         deadline = time.monotonic() + RANK_0_SAYS_IT_S
         try:

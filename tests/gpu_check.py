@@ -136,7 +136,8 @@ def start(command, env=None, **options):
     main = threading.current_thread() is threading.main_thread()
     try:
         with RUNNING_LOCK:
-            MAIN_STARTING = main
+            if main:
+                MAIN_STARTING = True
             if not STOPPING.is_set():
                 # PYTHON: run.sh's steps, torchrun and its workers run on this check's Python, not on `python` from
                 # PATH.

@@ -1,9 +1,13 @@
 """tests/gpu_check.sh cannot drift: every command it runs parses with its program's own parser (GPU and dry-run
-sizes alike), and its first step (the device and the data) runs. The rest runs on a GPU, or with --dry-run."""
+sizes alike), its first step (the device and the data) runs, and a stop ends every command it started. The rest
+runs on a GPU, or with --dry-run."""
 import json
+import multiprocessing
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -49,9 +53,6 @@ def test_a_stop_while_the_check_starts_a_command_stops_that_command_too(tmp_path
     recorded in RUNNING (Python runs the handler there). The check ends, and the command with it (seen: a
     synthetic.py left running when test_stops' check was stopped just after it began). Forked: the check's handler
     ends its process."""
-    import multiprocessing
-    import signal
-    import time
     marker = tmp_path / "a-command"
     marker.touch()
     marker = str(marker)
