@@ -48,7 +48,7 @@ def today_getitem(data, index):
     image, label = dataset.train_transform(image, tv_tensors.Mask(torch.from_numpy(label_ids)[None]),
                                            data.crop_size, generator)
     label = torch.from_numpy(dataset.ID_TO_TRAINID.numpy()[label[0].numpy()])
-    image = v2.functional.normalize(v2.functional.to_dtype(image, torch.float32, scale=True), dataset.MEAN, dataset.STD)
+    image = v2.functional.normalize(v2.functional.to_dtype(image, torch.float32, scale=True), main.MEAN, main.STD)
     return image.as_subclass(torch.Tensor), label
 
 
@@ -205,7 +205,7 @@ def loop_overhead(batch, size, steps, rounds=2, model_name=MODEL):
             start = time.perf_counter()
             if kind == "bare":
                 for images_, labels_ in loader:
-                    loss = main.criterion(model(dataset.normalize(images_)), labels_.long())
+                    loss = main.criterion(model(main.normalize(images_)), labels_.long())
                     optimizer.zero_grad(set_to_none=False)  # as main.py zeroes them (bucket views: --bucket-views)
                     loss.backward()
                     optimizer.step()

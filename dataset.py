@@ -1,16 +1,16 @@
 """The data: Cityscapes (its official layout, the 19 train classes) or your own (images/, masks/ and
 classes.json in plain folders), and the augmentation.
 
-    from dataset import open_dataset, normalize
+    from dataset import open_dataset
     train_set = open_dataset("data/cityscapes", "train", crop_size=(768, 768), cache_dir="data/cache")
     image, label = train_set[0]     # uint8 image (3, 768, 768); uint8 class indices (768, 768), 255 = ignore
     train_set.classes               # {"names": [...], "colors": [[r, g, b], ...]}, Cityscapes' 19 here
-    images = normalize(images.cuda(non_blocking=True))  # float32, ImageNet mean/std, on the GPU
 
-Workers hand over uint8 (4 bytes a pixel with the label, not 13) and leave the float conversion to the
-GPU. With cache_dir, each frame is decoded once and then read as an uncompressed array, memory-mapped:
-a worker reads only the rows of its crop, and the page cache is shared by every worker and rank.
-Fill the cache before training (optional: the first epoch fills it too):
+What main.py asks of a data set is said in its docstring; this module gives that and more (the checks, the
+prediction files). Workers hand over uint8 (4 bytes a pixel with the label, not 13) and leave the float
+conversion to the GPU (main.normalize). With cache_dir, each frame is decoded once and then read as an
+uncompressed array, memory-mapped: a worker reads only the rows of its crop, and the page cache is shared
+by every worker and rank. Fill the cache before training (optional: the first epoch fills it too):
 
     python harness/cache.py data/cache --data data/cityscapes --split train val
 
@@ -48,7 +48,6 @@ _ID_TO_TRAINID_NP = ID_TO_TRAINID.numpy()  # the same table; numpy indexes with 
 TRAINID_TO_ID = torch.tensor([c.id for c in _TRAIN_CLASSES], dtype=torch.uint8)
 
 MAX_LABEL_ID = max(c.id for c in _TABLE)  # 33; an 8-bit labelIds PNG holds nothing larger
-MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)  # ImageNet's: the backbones were trained with them
 
 
 def sample_generator(seed, epoch, index):
@@ -63,10 +62,11 @@ def train_transform(image, label, crop_size, generator, scale_range=(0.5, 2.0)):
     resize_pad_flip in one call, on a whole decoded frame (Cityscapes.__getitem__ calls the two itself, to
     copy only the crop's region out of the frame or the cache).
 
-    Equivalent to "resize the whole image by a random factor, then take a random crop", but it cuts the
-    crop's region out of the source first and resizes only that: on a 2048x1024 image with a 768 crop that
-    is several times less work. Where the scaled image is smaller than the crop, the
-    image is padded with 0 and the label with 255 (ignore), never with 0, which is the class "road".
+    The same in distribution as "resize the whole image by a random factor, then take a random crop", not
+    pixel for pixel: it cuts the crop's region out of the source first and resizes only that, so the
+    interpolation at the region's edges differs. On a 2048x1024 image with a 768 crop that is several times
+    less work. Where the scaled image is smaller than the crop, the image is padded with 0 and the label
+    with 255 (ignore), never with 0, which is the class "road".
     """
     (top, left, height, width), out_size, flip = crop_window(image.shape[-2:], crop_size, generator, scale_range)
     return resize_pad_flip(F.crop(image, top, left, height, width), F.crop(label, top, left, height, width),
@@ -115,34 +115,6 @@ def jitter_colors(image, strength, generator):
     return F.adjust_saturation(image, saturation)
 
 
-class SkipFirst(torch.utils.data.Sampler):
-    """A sampler's order from an offset on: an epoch resumed part-way yields only the batches it has not seen.
-    Set `skip` (samples) before each epoch; the wrapped sampler (DistributedSampler) decides the order, so the
-    rest is what the stopped run would have seen, through the same DataLoader and its persistent workers."""
-
-    def __init__(self, sampler):
-        self.sampler, self.skip = sampler, 0
-
-    def __iter__(self):
-        return iter(list(self.sampler)[self.skip:])
-
-    def __len__(self):
-        return max(0, len(self.sampler) - self.skip)
-
-
-def default_workers():
-    """DataLoader workers for one training process: its share of the cores it may run on, less one for the
-    process itself (at least 1, at most 16). torchrun sets LOCAL_WORLD_SIZE, the processes on this machine."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(1, min(16, cores // int(os.environ.get("LOCAL_WORLD_SIZE", 1)) - 1))
-
-
-def normalize(images):
-    """uint8 images (N, 3, H, W) or (3, H, W), on any device -> float32 normalised with ImageNet's mean and
-    std. The trainer calls it on the GPU after the copy: workers and the copy move a quarter of the bytes."""
-    return F.normalize(F.to_dtype(images, torch.float32, scale=True), MEAN, STD)
-
-
 def _cannot_list(folder, error):
     """The line for a folder of the data set that cannot be listed: which, why, and what to do, from its errno."""
     if error.errno in (errno.EACCES, errno.EPERM):
@@ -189,7 +161,7 @@ class SegmentationFiles(torch.utils.data.Dataset):
 
     Training augmentation (with crop_size): a random scale in scale_range, a random crop, a flip, and with
     color_jitter > 0 a random brightness, contrast and saturation (jitter_colors).
-    Returns (image, label): image uint8 (3, H, W), to be normalised with normalize() where it is used;
+    Returns (image, label): image uint8 (3, H, W), to be normalised where it is used (main.normalize);
     label uint8 (H, W) of class indices, 255 where ignored. With crop_size=None (evaluation) the full
     resolution. With cache_dir, decoded frames are kept there (see cached()), and the output is the same.
     """

@@ -19,17 +19,40 @@ checkpoint and resuming from one) runs on torch, models.py and dataset.py (which
 every mistake found before any work and said in one line, a stop that saves where the ranks are, a lost peer named,
 --resume auto, metrics and pictures.
 
-What this file asks of the data and the model, all of it: open_dataset(root, split, ...) gives a torch Dataset of
-(uint8 image (3, H, W), uint8 label (H, W), 255 = ignore) with .classes ({"names": [...], "colors": [...]}),
-.num_classes, .epoch (set before each epoch: the augmentation's draw, which persistent workers see) and
-.save_prediction(index, prediction, folder); build_model(name, num_classes, output_stride, pretrained) gives an
-nn.Module whose forward returns logits at the input's size and whose .backbone holds the pretrained layers (they
-learn at --backbone-lr). Your own data or model needs only these.
+What this file asks of a data set and a model, all of it. A data set and a model of your own replace dataset.py
+and models.py, and nothing else changes:
+
+dataset.py gives open_dataset(root, split, ...) -> a torch Dataset.
+- Training: open_dataset(root, "train", crop_size=(height, width), seed=N, cache_dir=DIR or None,
+  scale_range=(low, high), color_jitter=S), from the flags of the same names. A data set may ignore an option it
+  has no use for, but not crop_size: every training sample has that size, so that a batch stacks.
+- Evaluation: open_dataset(root, "val", cache_dir=DIR or None), at full size, one image a batch.
+- dataset[i] -> (image, label). image: uint8 (3, H, W), RGB, not normalised (the lesson normalises each batch on
+  the device with ImageNet's mean and std: normalize below). label: uint8 (H, W) class indices, 255 (IGNORE_INDEX)
+  where no class is known.
+- .classes: {"names": [each class's name, in index order]}.
+- .epoch: the lesson sets it before each epoch. Draw a training sample's augmentation from (seed, epoch, index)
+  alone, not from torch's or numpy's global generator: a resumed run then draws what an uninterrupted one would.
+  With -j > 0 the loader's workers last from epoch to epoch, each with a copy of the data set made when it started,
+  so keep the epoch where they see it change (dataset.py keeps it in a shared-memory tensor): a plain attribute
+  would freeze their augmentation at the first epoch's.
+- Optional, for --save-predictions alone: .save_prediction(index, prediction, folder) writes val sample index's
+  prediction ((H, W) class indices) into folder.
+
+models.py gives build_model(name, num_classes, output_stride, pretrained) -> an nn.Module, and MODEL_NAMES.
+- name: one of MODEL_NAMES, --model's choices; the first is the default. output_stride: 8 or 16 (a model without
+  one ignores it). pretrained: "imagenet", a path or "none" (--pretrained-backbone).
+- forward(images): float (N, 3, H, W), normalised -> logits (N, num_classes, H, W), at the input's size.
+- .backbone: a module that holds the layers that start pretrained. They learn at --backbone-lr times --lr, the
+  rest at --lr.
+
+The harness reads more of dataset.py's data sets than this (check_files, images, prediction_path,
+classes["colors"]): with data of your own that lacks them, start from the lesson (python tests/lesson.py).
 """
 import argparse
 import contextlib
 import os
-import resource
+import sys
 import time
 from datetime import timedelta
 from typing import NamedTuple
@@ -43,8 +66,16 @@ from torch.utils.data import DataLoader, Subset
 from torch.utils.data.distributed import DistributedSampler
 
 from harness import checkpoints, inference, preflight, records, recovery, stops
-from dataset import IGNORE_INDEX, SkipFirst, default_workers, normalize, open_dataset
+from dataset import open_dataset
 from models import MODEL_NAMES, build_model
+
+try:
+    import resource  # the peak memory on the CPU: Linux and macOS have it, Windows not
+except ImportError:
+    resource = None
+
+IGNORE_INDEX = 255  # a label's value where no class is known: no loss, not counted in the mIoU
+MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)  # ImageNet's: the pretrained backbones learned with them
 
 
 def get_args_parser():
@@ -56,9 +87,8 @@ def get_args_parser():
     parser = argparse.ArgumentParser(prog="main.py", description="DDP DeepLab on Cityscapes", allow_abbrev=False)
     parser.add_argument("--data", default="data/cityscapes", help="Cityscapes (leftImg8bit/, gtFine/) or your own "
                         "data (images/, masks/, classes.json) (default: %(default)s)")
-    parser.add_argument("--model", choices=MODEL_NAMES, metavar="NAME", help="deeplabv3[plus]_resnet50, _resnet101 or "
-                        "_mobilenet_v3_large; deeplabv3plus_mobilenet_tiny: tests (default: deeplabv3plus_resnet101; "
-                        "with --resume: the checkpoint's)")
+    parser.add_argument("--model", choices=MODEL_NAMES, metavar="NAME", help=f"{', '.join(MODEL_NAMES)} (default: "
+                        f"{MODEL_NAMES[0]}; with --resume: the checkpoint's)")
     parser.add_argument("--output-stride", type=int, choices=(8, 16), help="(default: 16; with --resume: the "
                         "checkpoint's)")
     parser.add_argument("--pretrained-backbone", default="imagenet", metavar="imagenet|PATH|none",
@@ -74,8 +104,8 @@ def get_args_parser():
     parser.add_argument("--cache-dir", metavar="DIR", help="keep each decoded frame there: decoded once")
     parser.add_argument("-j", "--workers", type=int, help="data loading workers per process; 0: in the process "
                         "itself (default: its share of the cores, less one)")
-    parser.add_argument("--epochs", type=int, default=162, help="total epochs (default: %(default)s, the recipe's "
-                        "30k iterations)")
+    parser.add_argument("--epochs", type=int, default=162, help="total epochs, also the length of the poly learning "
+                        "rate schedule (default: %(default)s, the recipe's 30k iterations)")
     parser.add_argument("--start-epoch", type=int, default=0, help="first epoch, counted from 0 (default: "
                         "%(default)s; --resume sets it)")
     parser.add_argument("-b", "--batch-size", type=int, default=8, help="images per process per forward (default: "
@@ -95,10 +125,17 @@ def get_args_parser():
     parser.add_argument("-e", "--evaluate", action="store_true", help="evaluate --resume's model, no training")
     parser.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
     parser.add_argument("--output-dir", default="output", help="(default: %(default)s)")
-    parser.add_argument("--amp", nargs="?", const="bf16", choices=("bf16", "fp16"), help="mixed precision: bf16 (the "
-                        "default when given alone) or fp16 (with a GradScaler; CUDA only, by this program's choice)")
     parser.add_argument("--save-predictions", metavar="DIR",
                         help="write each val prediction as a PNG (Cityscapes: labelIds, the official evaluation's)")
+    preflight.add_arguments(parser)  # harness: --weights, --overwrite, --tensorboard, --check-only, --eval-*
+    add_launch_arguments(parser)
+    return parser
+
+
+def add_launch_arguments(parser):
+    """How the processes run: precision, the process group, the GPU's options, Step 1's local rank."""
+    parser.add_argument("--amp", nargs="?", const="bf16", choices=("bf16", "fp16"), help="mixed precision: bf16 (the "
+                        "default when given alone) or fp16 (with a GradScaler; CUDA only, by this program's choice)")
     parser.add_argument("--dist-backend", choices=("nccl", "gloo"), help="(default: nccl with CUDA, gloo on the CPU)")
     parser.add_argument("--dist-timeout", type=float, default=5.0, metavar="MINUTES", help="a collective that waits "
                         "longer than this (a lost peer) ends the job (default: %(default)s; PyTorch's own: 30 for "
@@ -110,7 +147,6 @@ def get_args_parser():
     parser.add_argument("--compile", action="store_true", help="torch.compile the DDP model")
     parser.add_argument("--find-unused-parameters", action="store_true",
                         help="only for models with parameters that get no gradient; costs a graph walk a step")
-    preflight.add_arguments(parser)  # harness: --weights, --overwrite, --tensorboard, --check-only, --eval-*
     # Step 1: the local rank, the GPU this process drives. The tutorial reads --local_rank; since PyTorch 2.0
     # torch.distributed.launch passes --local-rank, and torchrun passes no argument at all, only environment
     # variables (LOCAL_RANK among them). Accept both spellings; without either, main() reads the environment.
@@ -153,10 +189,22 @@ def all_reduce(tensor, op=dist.ReduceOp.SUM):
 
 
 def peak_memory_gib(device):
-    """This process's peak memory: allocated on its GPU, or resident on the CPU."""
+    """This process's peak memory: allocated on its GPU, or resident on the CPU; NaN where the OS does not say
+    (Windows)."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # resident set, KiB on Linux
+    if resource is None:
+        return float("nan")
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # the peak resident set: bytes on macOS, KiB on Linux
+    return peak / 2**30 if sys.platform == "darwin" else peak / 2**20
+
+
+def normalize(images):
+    """uint8 images (N, 3, H, W) or (3, H, W), on any device -> float32 normalised with ImageNet's mean and std. Called
+    after the copy to the device: the workers and the copy move uint8, a quarter of float32's bytes."""
+    mean = torch.tensor(MEAN, device=images.device).view(-1, 1, 1)
+    std = torch.tensor(STD, device=images.device).view(-1, 1, 1)
+    return (images.float() * (1 / 255) - mean) / std  # (torchvision's arithmetic: the same floats as its normalize)
 
 
 def autocast(args, device):
@@ -168,7 +216,7 @@ def autocast(args, device):
 
 def criterion(logits, labels):
     """Cross-entropy over labelled pixels. Mean over the labelled pixels, as F.cross_entropy does, but a
-    crop with no labelled pixel gives 0 instead of 0/0 = NaN. Computed in float32 even under autocast."""
+    batch with no labelled pixel gives 0 instead of 0/0 = NaN. Computed in float32 even under autocast."""
     loss = F.cross_entropy(logits.float(), labels, ignore_index=IGNORE_INDEX, reduction="sum")
     return loss / (labels != IGNORE_INDEX).sum().clamp(min=1)
 
@@ -184,7 +232,8 @@ def seed_step(seed, epoch, step, place):
 def adjust_learning_rate(optimizer, base_lr, step, total_steps):
     """Poly decay, lr = base_lr * (1 - step / total_steps) ** 0.9, set before every step (times each
     group's lr_mult). Computed from the position in training, so a resumed run, even with another number
-    of processes, continues it. Returns the head's rate."""
+    of processes, continues it; with a larger --epochs (total_steps), it continues a longer schedule, whose
+    rate at this step is higher. Returns the head's rate."""
     lr = base_lr * (1 - min(step, total_steps - 1) / total_steps) ** 0.9
     for group in optimizer.param_groups:
         group["lr"] = lr * group.get("lr_mult", 1.0)
@@ -192,9 +241,9 @@ def adjust_learning_rate(optimizer, base_lr, step, total_steps):
 
 
 class EpochStats(NamedTuple):
-    """What train_one_epoch measured, the same on every rank."""
+    """What train_one_epoch measured, the same on every rank (train() prints it)."""
     loss_sum: float          # the loss summed over the steps and the ranks
-    steps: int               # optimizer steps done
+    steps: int               # optimizer steps done (a resumed epoch's first part was done before)
     lr: float                # the last step's
     images_per_s: float      # over all ranks
     data_wait: float         # the largest fraction of its time a rank waited for data
@@ -212,7 +261,9 @@ def train_one_epoch(model, optimizer, scaler, loader, device, epoch, first_step,
     no_sync = getattr(model, "no_sync", contextlib.nullcontext)  # a plain model (no DDP) never all-reduces anyway
     loss_sum = torch.zeros((), device=device)
     start = time.time()
-    steps, data_wait, lr = 0, 0.0, 0.0
+    steps = 0  # optimizer steps done
+    data_wait = 0.0  # seconds this rank waited for batches
+    lr = 0.0
     printed = (start, 0, 0.0)  # (time, steps, data_wait) when the last line was printed
     batches = iter(loader)
     for step in range(first_step, steps_per_epoch):
@@ -260,12 +311,18 @@ def train_one_epoch(model, optimizer, scaler, loader, device, epoch, first_step,
             printed = (now, steps, data_wait)
         if stops.ranks_vote_to_stop(loss):  # harness: every rank stops at the same step: a signal, or a NaN
             break
+    return epoch_stats(loss_sum, steps, lr, data_wait, start, args, device)
+
+
+def epoch_stats(loss_sum, steps, lr, data_wait, start, args, device):
+    """train_one_epoch's measures, gathered from every rank (collectives: every rank calls this). -> EpochStats."""
     elapsed = max(time.time() - start, 1e-9)
-    sums = torch.zeros(world_size + 1, device=device)  # the loss, and each rank's peak memory in its own place
-    sums[0], sums[1 + rank] = loss_sum, peak_memory_gib(device)
+    sums = torch.zeros(get_world_size() + 1, device=device)  # the loss, and each rank's peak memory in its own place
+    sums[0] = loss_sum
+    sums[1 + get_rank()] = peak_memory_gib(device)
     all_reduce(sums)
-    data_wait = all_reduce(torch.tensor([data_wait / elapsed], device=device), dist.ReduceOp.MAX)
-    return EpochStats(sums[0].item(), steps, lr, steps * images_per_step / elapsed, data_wait.item(),
+    slowest_wait = all_reduce(torch.tensor([data_wait / elapsed], device=device), dist.ReduceOp.MAX)
+    return EpochStats(sums[0].item(), steps, lr, steps * global_batch(args) / elapsed, slowest_wait.item(),
                       sums[1:].tolist(), elapsed)
 
 
@@ -322,7 +379,7 @@ def iou_from_confusion(confusion):
 
 class Evaluation(NamedTuple):
     miou: float
-    iou: torch.Tensor        # per class, NaN for a class absent from val
+    iou: torch.Tensor        # per class, NaN for a class absent from val: printed by validate(), kept for a record
     seconds: float
 
 
@@ -338,7 +395,9 @@ def validate(model, loader, device, classes, args, save_dir=None):
 
 def checkpoint_state(model, optimizer, scaler, args, classes, epoch, step, best_miou, epoch_loss_sum):
     """What a checkpoint holds: plain data, which torch.load(weights_only=True) reads back (vars(args), not the
-    Namespace). epoch, step: the next optimizer step to run; epoch_loss_sum: the loss summed so far in that epoch."""
+    Namespace). epoch, step: the next optimizer step to run; epoch_loss_sum: the loss summed so far in that epoch.
+    A checkpoint also says what it is, for whoever uses it later: its classes (what each output channel means) and
+    the number of processes it was trained on."""
     return {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "scaler": scaler.state_dict(),
             "epoch": epoch, "step": step, "best_miou": best_miou, "epoch_loss_sum": epoch_loss_sum,
             "args": vars(args), "world_size": get_world_size(), "classes": classes}
@@ -364,7 +423,7 @@ def build(args):
         # and that GPU holds a copy per rank. weights_only=True: a checkpoint is data, not code.
         checkpoint = torch.load(args.resume, map_location="cpu", weights_only=True)
     saved = checkpoint.get("args") or {} if checkpoint else {}  # the flags it was trained with: it knows its model
-    args.model = args.model or saved.get("model", "deeplabv3plus_resnet101")
+    args.model = args.model or saved.get("model", MODEL_NAMES[0])
     args.output_stride = args.output_stride or saved.get("output_stride", 16)
     crop_size = args.crop_size * 2 if len(args.crop_size) == 1 else args.crop_size  # one number: a square
     train_set = open_dataset(args.data, "train", crop_size=crop_size, seed=args.seed, cache_dir=args.cache_dir,
@@ -373,7 +432,7 @@ def build(args):
     checkpoint = checkpoints.checked(checkpoint, args, train_set)  # harness: this model's, whole, fitting this data
     torch.manual_seed(args.seed)  # the same initial weights on every rank, and in every run of this seed
     # A checkpoint holds every weight: only a fresh start fetches the pretrained backbone.
-    model = build_model(args.model, train_set.num_classes, args.output_stride,
+    model = build_model(args.model, len(train_set.classes["names"]), args.output_stride,
                         "none" if checkpoint else args.pretrained_backbone)
     checkpoints.load_weights(model, args, train_set.classes)  # harness: --weights, fine-tuning from a trained model
     if checkpoint:
@@ -393,6 +452,7 @@ def make_optimizer(model, args):
 @recovery.guarded("main.py")  # harness: a mistake in one line, a lost peer named, signals (harness/recovery.py)
 def main(args):
     args.resume = preflight.check_flags_and_hold_output(args)  # harness: --resume auto, a torchrun restart: a path
+    # The data, the checkpoint and the model, read on the CPU: nothing here touches CUDA, so Step 1 may come after.
     train_set, val_set, model, checkpoint = build(args)
     preflight.check_data_and_make_outputs(args, train_set, val_set, checkpoint)  # harness: --check-only ends here
 
@@ -422,13 +482,15 @@ def main(args):
     model, model_without_ddp = wrap_model(model, args, device, distributed)  # Step 3, below
     loaders = make_loaders(train_set, val_set, args, use_cuda)  # Step 4, below
     stops.shield_workers(loaders.train, loaders.val)  # harness: a stop to every process of the job is this one's
-    model_to_evaluate = model_without_ddp  # evaluate() takes the unwrapped model
+    # evaluate() takes the unwrapped model. A name of its own: evaluation may wrap it (test-time augmentation) and
+    # leave the model that trains and is saved as it is.
+    model_to_evaluate = model_without_ddp
     model_to_evaluate = inference.wrap(model_to_evaluate, args)  # harness: -e's multi-scale, flip, sliding window
     if args.evaluate:
         evaluation = validate(model_to_evaluate, loaders.val, device, train_set.classes, args, args.save_predictions)
         log(f"evaluated {args.resume} on {len(val_set)} images in {evaluation.seconds:.1f} s: mIoU "
             f"{evaluation.miou:.4f}")
-        picture = records.picture(model_to_evaluate, loaders.val, device, args)  # harness: the first val image's
+        picture = records.picture(model_to_evaluate, loaders.val, device, args, normalize)  # harness: val image 0
         records.write_eval(args, evaluation, picture, train_set.classes, len(val_set))  # harness: eval.json
     else:
         train(args, model, model_without_ddp, model_to_evaluate, checkpoint, train_set, loaders, device)
@@ -474,6 +536,29 @@ def wrap_model(model, args, device, distributed):
     return model, model_without_ddp
 
 
+def default_workers():
+    """DataLoader workers for one training process: its share of the cores it may run on, less one for the
+    process itself (at least 1, at most 16). torchrun sets LOCAL_WORLD_SIZE, the processes on this machine."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, min(16, cores // int(os.environ.get("LOCAL_WORLD_SIZE", 1)) - 1))
+
+
+class SkipFirst(torch.utils.data.Sampler):
+    """A sampler's order from an offset on. A checkpoint saved mid-epoch (on a stop: Ctrl-C, a preemption) resumes at
+    its next batch: set `skip` (samples) before each epoch, and the loader yields only the batches not yet seen. The
+    wrapped sampler still decides the order, so the rest is what the stopped run would have seen."""
+
+    def __init__(self, sampler):
+        self.sampler = sampler
+        self.skip = 0
+
+    def __iter__(self):
+        return iter(list(self.sampler)[self.skip:])
+
+    def __len__(self):
+        return max(0, len(self.sampler) - self.skip)
+
+
 class Loaders(NamedTuple):
     train: DataLoader
     train_sampler: DistributedSampler
@@ -503,24 +588,44 @@ def make_loaders(train_set, val_set, args, use_cuda):
     return Loaders(train_loader, train_sampler, resumable, val_loader)
 
 
+# What the lesson says where a run has finished its --epochs.
+TRAIN_LONGER = ("evaluate it with -e, or train longer with a larger --epochs: --epochs is also the poly schedule's "
+                "length, so the learning rate rises again (at twice the epochs, to about half of --lr)")
+
+
+class Start(NamedTuple):
+    """Where training starts: the next optimizer step to run, and what the run had reached before it."""
+    epoch: int
+    step: int               # above 0: a checkpoint saved mid-epoch (on a stop) resumes at its next batch
+    best_miou: float
+    epoch_loss_sum: float   # the loss summed over that epoch's steps so far
+
+
+def restore(checkpoint, optimizer, scaler, args):
+    """The optimizer's and the GradScaler's state, and where to start, from --resume's checkpoint; without one, a
+    fresh start at --start-epoch. -> Start."""
+    if not checkpoint:
+        return Start(args.start_epoch, 0, float("-inf"), 0.0)
+    optimizer.load_state_dict(checkpoint.pop("optimizer"))
+    if checkpoint["scaler"]:  # empty when saved without --amp fp16
+        scaler.load_state_dict(checkpoint["scaler"])
+    return Start(checkpoint["epoch"], checkpoint["step"], checkpoint["best_miou"], checkpoint["epoch_loss_sum"])
+
+
 def train(args, model, model_without_ddp, model_to_evaluate, checkpoint, train_set, loaders, device):
     """The epochs: train, evaluate, save (rank 0), from where the checkpoint (or --start-epoch) says."""
     world_size = get_world_size()
     optimizer = make_optimizer(model_without_ddp, args)
     # float16 needs loss scaling against underflow; bfloat16 has float32's range and needs none.
     scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
-    start_epoch, first_step, best_miou, epoch_loss_sum = args.start_epoch, 0, float("-inf"), 0.0
-    if checkpoint:
-        optimizer.load_state_dict(checkpoint.pop("optimizer"))
-        if checkpoint["scaler"]:  # empty when saved without --amp fp16
-            scaler.load_state_dict(checkpoint["scaler"])
-        start_epoch, first_step = checkpoint["epoch"], checkpoint["step"]
-        best_miou, epoch_loss_sum = checkpoint["best_miou"], checkpoint["epoch_loss_sum"]
-    checkpoints.ranks_compare_start(start_epoch, first_step)  # harness: a stale copy on one node would hang the run
-    if start_epoch >= args.epochs:  # a requeued job that had finished: not a failure, nothing to do
-        log(f"nothing to train: {args.resume} has finished {start_epoch} epochs, as many as --epochs {args.epochs} "
-            "asks or more; raise --epochs to train longer, or evaluate it with -e")
+    start = restore(checkpoint, optimizer, scaler, args)
+    checkpoints.ranks_compare_start(start.epoch, start.step)  # harness: a stale copy on one node would hang the run
+    if start.epoch >= args.epochs:  # a requeued job that had finished: not a failure, nothing to do
+        log(f"nothing to train: {args.resume} has finished {start.epoch} epochs, as many as --epochs {args.epochs} "
+            f"asks or more; {TRAIN_LONGER}")
         return
+    best_miou = start.best_miou
+    epoch_loss_sum = start.epoch_loss_sum
     # Optimizer steps: the position, the schedule and --epochs count them. An epoch has as many as the training set
     # holds global batches (-b x processes x --accum-steps), the same on every layout of that batch; every rank's
     # share (DistributedSampler's, padded) holds at least that many. What makes no whole step is left out, as
@@ -530,14 +635,14 @@ def train(args, model, model_without_ddp, model_to_evaluate, checkpoint, train_s
     if is_main_process():
         os.makedirs(args.output_dir, exist_ok=True)
     log(f"training {args.model} on {len(train_set)} images ({steps_per_epoch} steps/epoch), epochs "
-        f"{start_epoch}..{args.epochs - 1} (counted from 0), evaluating on {len(loaders.val.dataset.dataset)}")
-    for epoch in range(start_epoch, args.epochs):
+        f"{start.epoch}..{args.epochs - 1} (counted from 0), evaluating on {len(loaders.val.dataset.dataset)}")
+    for epoch in range(start.epoch, args.epochs):
         # Step 4 (continued): the tutorial never calls set_epoch. The sampler seeds its shuffle with
         # seed + epoch; without this call every epoch visits the images in the same order.
         loaders.train_sampler.set_epoch(epoch)
-        first_step = first_step if epoch == start_epoch else 0
+        first_step = start.step if epoch == start.epoch else 0
         loaders.resumable.skip = first_step * args.batch_size * args.accum_steps  # those a checkpoint had seen
-        train_set.epoch = epoch  # the augmentation's draw; persistent workers see it (shared memory)
+        train_set.epoch = epoch  # the augmentation's draw (the data set keeps it where persistent workers see it)
         stats = train_one_epoch(model, optimizer, scaler, loaders.train, device, epoch, first_step, steps_per_epoch,
                                 args)
         epoch_loss_sum += stats.loss_sum
@@ -552,12 +657,13 @@ def train(args, model, model_without_ddp, model_to_evaluate, checkpoint, train_s
         train_loss = epoch_loss_sum / (steps_per_epoch * world_size)
         # A data wait near 100% means the GPUs starve for data; a rank 0 that needs more memory than the others
         # would say that something gathers on it (DataParallel's first GPU did).
-        log(f"epoch {epoch}: train loss {train_loss:.4f}, {stats.images_per_s:.1f} img/s, data wait "
-            f"{stats.data_wait:.0%}, peak memory {stats.peak_memory_gib[0]:.2f} GiB (rank 0) / "
-            f"{max(stats.peak_memory_gib):.2f} (largest), mIoU {evaluation.miou:.4f} (best {best_miou:.4f})")
+        log(f"epoch {epoch}: train loss {train_loss:.4f}, {stats.steps} steps in {stats.seconds:.0f} s (lr at the last "
+            f"{stats.lr:.5f}), {stats.images_per_s:.1f} img/s, data wait {stats.data_wait:.0%}, peak memory "
+            f"{stats.peak_memory_gib[0]:.2f} GiB (rank 0) / {max(stats.peak_memory_gib):.2f} (largest), mIoU "
+            f"{evaluation.miou:.4f} (best {best_miou:.4f})")
         state = checkpoint_state(model_without_ddp, optimizer, scaler, args, train_set.classes, epoch + 1, 0,
                                  best_miou, 0.0)
-        picture = records.picture(model_to_evaluate, loaders.val, device, args)  # harness: the first val image's
+        picture = records.picture(model_to_evaluate, loaders.val, device, args, normalize)  # harness: val image 0
         records.write_epoch(args, epoch, steps_per_epoch, stats, train_loss, evaluation, picture, state,  # harness
                             is_best)
         if is_main_process():

@@ -37,8 +37,10 @@ class Range(NamedTuple):
         return " and ".join(bounds) or "finite"
 
 
-WEEK_MINUTES = 7 * 24 * 60  # --dist-timeout at most a week: longer is a typo, and timedelta's arithmetic overflows
-# ... and at least 6 s: a shorter one can fail the healthy collectives of a slow machine (forming the group, the first
+# --dist-timeout at most a week: a lost peer would hold every GPU idle that long, and a longer value is more likely a
+# typo than a wish. (Not a limit of timedelta, which holds up to 999,999,999 days.)
+WEEK_MINUTES = 7 * 24 * 60
+# And at least 6 s: a shorter one can fail the healthy collectives of a slow machine (forming the group, the first
 # broadcast of the weights), and the line then blames a lost peer for what the flag did.
 SHORTEST_TIMEOUT_MINUTES = 0.1
 

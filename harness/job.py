@@ -135,7 +135,7 @@ def read_environment(program="main.py"):
                         and int(threads.split(",")[0]) >= 1):  # (a list, 4,2, gives nested levels theirs)
         fail(f"the environment variable OMP_NUM_THREADS={threads!r} is not a whole number of at least 1: set the "
              "threads each process may use (the machine's cores over the processes), or unset it")
-    _whole_number("LOCAL_WORLD_SIZE", None, 1)  # (dataset.default_workers divides the cores by it)
+    _whole_number("LOCAL_WORLD_SIZE", None, 1)  # (main.default_workers divides the cores by it)
     temporary = os.environ.get("TMPDIR")
     if temporary and not (os.path.isdir(temporary) and os.access(temporary, os.W_OK | os.X_OK)):
         fail(f"the environment variable TMPDIR={temporary!r} is not a folder this process can write to: set it to "

@@ -22,6 +22,11 @@ from .errors import NOTHING_TO_TRAIN, BadInput, Finished, fail
 from .job import RUN, log, named
 from models import MODEL_NAMES
 
+# main.py's TRAIN_LONGER, word for word (the lesson imports nothing of the harness, nor the harness main.py):
+# --check-only says what main.py would (tests/test_lesson.py compares the two).
+TRAIN_LONGER = ("evaluate it with -e, or train longer with a larger --epochs: --epochs is also the poly schedule's "
+                "length, so the learning rate rises again (at twice the epochs, to about half of --lr)")
+
 
 def add_arguments(parser):
     """The flags of what the harness adds to main.py's lesson."""
@@ -86,7 +91,7 @@ def check_data_and_make_outputs(args, train_set, val_set, checkpoint):
         # main.py train()'s test for a resumed checkpoint, and its line word for word
         if checkpoint and not args.evaluate and checkpoint["epoch"] >= args.epochs:
             print(f"nothing to train: {args.resume} has finished {checkpoint['epoch']} epochs, as many as --epochs "
-                  f"{args.epochs} asks or more; raise --epochs to train longer, or evaluate it with -e", flush=True)
+                  f"{args.epochs} asks or more; {TRAIN_LONGER}", flush=True)
             raise Finished(NOTHING_TO_TRAIN)
         raise Finished
     start = RUN.start

@@ -7,7 +7,7 @@ things are. A write that fails (a full disk) ends the run in one line; TensorBoa
     records.open_tensorboard(args, first_iteration)   # the preflight: TensorBoard's writer, with --tensorboard
     records.watch_predictions(val_set)                # the preflight: a prediction that cannot be written, noted
     records.draw(iteration, loss, lr, images_per_s)   # main.py's progress lines, as TensorBoard's curves
-    picture = records.picture(model, val_loader, device, args)  # rank 0's first val image, predicted again
+    picture = records.picture(model, val_loader, device, args, normalize)  # rank 0's first val image, predicted again
     records.write_epoch(args, epoch, steps_per_epoch, stats, train_loss, evaluation, picture, state, is_best)
     records.write_eval(args, evaluation, picture, classes, num_images)   # -e
     records.say_where_things_are(args, best_miou)    # the end of training: the files, and what each is
@@ -22,7 +22,7 @@ import torch
 from PIL import Image
 
 from . import checkpoints, checks, inference, job, paths, stops
-from dataset import CLASS_COLORS, is_prediction, normalize
+from dataset import CLASS_COLORS, is_prediction
 from .errors import fail
 from .job import RUN, is_main_process, log, named
 
@@ -88,10 +88,10 @@ def colorize(labels, colors=CLASS_COLORS):
 
 
 @torch.inference_mode()
-def picture(model, loader, device, args):
+def picture(model, loader, device, args, normalize):
     """Rank 0: (image, label, prediction) of its first val image, for vis/ and TensorBoard; None on the other ranks.
     main.py's evaluation keeps no image, so the model (the one evaluated: unwrapped, with -e's mode) predicts this
-    one again, as evaluate() did: the same pixels, the same prediction. No collective."""
+    one again, as evaluate() did: the same pixels (normalize: main.py's), the same prediction. No collective."""
     if not is_main_process():
         return None
     image, label = loader.dataset[0]  # the val loader's Subset of rank 0's images: its first is the val set's first

@@ -13,8 +13,9 @@ from torchvision.transforms.v2 import functional as F
 
 import images
 from conftest import ROOT
-from dataset import (ID_TO_TRAINID, IGNORE_INDEX, MEAN, STD, TRAINID_TO_ID, BadInput, Cityscapes, normalize,
-                     read_image, read_label, sample_generator, train_transform)
+import main
+from dataset import (ID_TO_TRAINID, IGNORE_INDEX, TRAINID_TO_ID, BadInput, Cityscapes, read_image, read_label,
+                     sample_generator, train_transform)
 from synthetic import draw_street, write_synthetic
 
 # The official table (cityscapesScripts labels.py), typed here independently of the code.
@@ -114,15 +115,22 @@ def test_samples_are_uint8_and_the_crop_read_first_is_train_transform_of_the_who
             assert torch.equal(label, ID_TO_TRAINID[expected_label[0].long()])
 
 
-def test_normalize_equals_torchvision_float_conversion_on_every_device():
+def test_main_py_s_normalize_equals_torchvision_float_conversion_on_every_device():
+    """main.py's own normalize (the lesson asks the data set for uint8 alone) gives torchvision's floats, bit for bit:
+    checkpoints trained with torchvision's normalisation predict the same."""
     generator = torch.Generator().manual_seed(0)
     batch = torch.randint(0, 256, (2, 3, 8, 16), dtype=torch.uint8, generator=generator)
     devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
     for device in devices:
         for pixels in (batch.to(device), batch[0].to(device)):
-            out = normalize(pixels)
+            out = main.normalize(pixels)
             assert out.dtype == torch.float32 and out.device == pixels.device
-            assert torch.equal(out, F.normalize(F.to_dtype(pixels, torch.float32, scale=True), MEAN, STD))
+            assert torch.equal(out, F.normalize(F.to_dtype(pixels, torch.float32, scale=True), main.MEAN, main.STD))
+
+
+def test_the_data_sets_ignore_label_is_the_lesson_s():
+    """dataset.py pads and maps to 255 where main.py's loss and mIoU ignore a pixel: the contract's one value."""
+    assert IGNORE_INDEX == main.IGNORE_INDEX == 255
 
 
 def test_photo_frames_are_photo_sized_with_the_scene_labels(tmp_path):

@@ -116,7 +116,7 @@ def test_the_picture_shows_what_the_evaluation_predicted_for_the_first_val_image
     model = inference.wrap(varied_model(), args_of(["--eval-flip"]))
     args = main.get_args_parser().parse_args([])
     main.evaluate(model, loader, torch.device("cpu"), NUM_CLASSES, args, save_dir=str(tmp_path))
-    image, label, prediction = records.picture(model, loader, torch.device("cpu"), args)
+    image, label, prediction = records.picture(model, loader, torch.device("cpu"), args, main.normalize)
     saved = np.array(Image.open(tmp_path / f"{val_set.image_id(0)}_pred_labelIds.png"))
     assert len(np.unique(saved)) >= 3  # several classes: the comparison means something
     assert (TRAINID_TO_ID[prediction].numpy() == saved).all()

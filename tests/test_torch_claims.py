@@ -68,7 +68,7 @@ def test_the_launchers_set_rank_and_world_size(launched):
 
 
 def test_the_launchers_set_local_world_size_to_the_processes_they_start_on_their_machine(launched):
-    # dataset.default_workers divides the cores by it. (Per machine rather than in all: the agent sets it from
+    # main.default_workers divides the cores by it. (Per machine rather than in all: the agent sets it from
     # its own --nproc_per_node, local_elastic_agent.py; one machine here cannot tell the two apart.)
     assert all(rank["LOCAL_WORLD_SIZE"] == "2" for records in (launched["torchrun"], launched["launch"])
                for rank in records)
