@@ -1,16 +1,24 @@
 """main.py's lesson lifts whole: with its harness taken out (tests/lesson.py), it runs on torch, models.py and
-dataset.py alone, in a folder that holds nothing else of the project."""
+dataset.py alone, in a folder that holds nothing else of the project; and on a data set and a model written from
+its docstring's contract alone, it trains, evaluates each val image once, saves and resumes bitwise."""
 import ast
 import builtins
+import importlib.util
 import os
+import re
 import shutil
+import subprocess
 import symtable
 import sys
 
 import torch
 
 import lesson
+import main
 from conftest import ROOT, TRAIN_ARGS, run
+from harness import preflight
+
+CONTRACT = os.path.join(ROOT, "tests", "contract")  # dataset.py and models.py written from main.py's docstring alone
 
 
 def test_without_its_harness_main_py_trains_evaluates_and_saves_on_two_processes_and_resumes(tiny_data, tmp_path):
@@ -80,3 +88,101 @@ def test_the_printed_lesson_has_no_leftovers():
     with open(os.path.join(ROOT, "main.py")) as f:
         stripped, _ = lesson.strip(f.read())
     assert leftovers(stripped) == []
+
+
+def _lesson_in(folder, *modules):
+    """The printed lesson as main.py in folder, beside copies of modules (paths). -> folder."""
+    with open(os.path.join(ROOT, "main.py")) as f:
+        stripped, _ = lesson.strip(f.read())
+    folder.mkdir()
+    (folder / "main.py").write_text(stripped)
+    for path in modules:
+        shutil.copy(path, folder / os.path.basename(path))
+    return folder
+
+
+def _contract_module(name):
+    """tests/contract's dataset.py or models.py, imported under a name of its own (the project's own are loaded)."""
+    spec = importlib.util.spec_from_file_location(f"contract_{name}", os.path.join(CONTRACT, f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _miou(model, val_set, num_classes, counted):
+    """The mIoU over the val images counted (indices, repeats allowed), worked out here: TP / (TP + FP + FN) for each
+    class that occurs, label 255 left out."""
+    confusion = torch.zeros(num_classes, num_classes, dtype=torch.int64)
+    model.eval()
+    with torch.no_grad():
+        for index in counted:
+            image, label = val_set[index]
+            prediction = model(main.normalize(image[None]))[0].argmax(0)
+            known = label != 255
+            confusion += torch.bincount(label[known].long() * num_classes + prediction[known],
+                                        minlength=num_classes ** 2).view(num_classes, num_classes)
+    hits = confusion.diag().double()
+    union = confusion.sum(0) + confusion.sum(1) - hits
+    return (hits[union > 0] / union[union > 0]).mean().item()
+
+
+def test_the_lesson_on_a_data_set_and_a_model_written_from_its_contract_alone(tmp_path):
+    """The printed lesson beside tests/contract's dataset.py and models.py, written from main.py's docstring and
+    importing nothing of the project, under torchrun on two gloo processes with a persistent worker each (-j 1).
+    Trained 2 epochs straight; and 2 epochs again, crashed in the second (the data set fails there) and resumed from
+    the first's checkpoint: the weights and the optimizer equal bit for bit, which needs what the contract says of
+    the augmentation's draw, and of .epoch (with a plain attribute, the persistent workers never see epoch 1: the
+    crash does not come, checked first, and their draw stays at epoch 0's). The mIoU printed is the one worked out
+    here over each val image once (5 images on 2 ranks: counting one twice, as a padded sampler would, differs).
+    The model's name is not given: MODEL_NAMES' first is the default."""
+    folder = _lesson_in(tmp_path / "lesson", os.path.join(CONTRACT, "dataset.py"), os.path.join(CONTRACT, "models.py"))
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    common = ["main.py", "--data", "unused", "--pretrained-backbone", "none", "--crop-size", "32", "-b", "2", "-j", "1",
+              "--lr", "0.05", "--seed", "3"]
+    straight, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
+    said = run([*torchrun, *common, "--epochs", "2", "--output-dir", straight], cwd=str(folder))
+    assert "2 process(es), backend gloo" in said and "training tiny_shapes on 24 images (6 steps/epoch)" in said, said
+    crashed = subprocess.run([*torchrun, *common, "--epochs", "2", "--output-dir", resumed], cwd=str(folder),
+                             env={**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "",
+                                  "CONTRACT_CRASH_AT_EPOCH": "1"}, capture_output=True, text=True, timeout=240)
+    assert crashed.returncode != 0 and "the test's crash in epoch 1" in crashed.stdout + crashed.stderr, crashed
+    said_again = run([*torchrun, *common, "--epochs", "2", "--output-dir", resumed, "--resume",
+                      os.path.join(resumed, "checkpoint.pth")], cwd=str(folder))
+    assert "epochs 1..1" in said_again and "epoch 0 step" not in said_again, said_again
+    one, other = (torch.load(os.path.join(out, "checkpoint.pth"), weights_only=True) for out in (straight, resumed))
+    assert one["epoch"] == other["epoch"] == 2
+    for part in ("model", "optimizer"):
+        flat_one, flat_other = (torch.nn.utils.parameters_to_vector([t.float() for t in _tensors(c[part])])
+                                for c in (one, other))
+        assert torch.equal(flat_one, flat_other), part
+    dataset, models = _contract_module("dataset"), _contract_module("models")
+    model = models.build_model("tiny_shapes", 3, 16, "none")
+    model.load_state_dict(one["model"])
+    val_set = dataset.open_dataset("unused", "val")
+    printed = float(re.findall(r"epoch 1: train loss .*mIoU (\S+) ", said)[0])
+    exact = _miou(model, val_set, 3, range(5))
+    assert abs(printed - exact) < 1e-4, (printed, exact)
+    assert abs(_miou(model, val_set, 3, [0, 1, 2, 3, 4, 0]) - exact) > 1e-4  # the check tells a repeat apart
+
+
+def _tensors(state):
+    """Every tensor of a state dict, nested ones too, in a fixed order."""
+    if isinstance(state, torch.Tensor):
+        return [state]
+    if isinstance(state, dict):
+        return [t for key in sorted(state, key=str) for t in _tensors(state[key])]
+    if isinstance(state, (list, tuple)):
+        return [t for item in state for t in _tensors(item)]
+    return []
+
+
+def test_check_only_tells_how_to_train_longer_as_the_lesson_does():
+    """run.sh's check (--check-only) says a finished run's line for the lesson, which imports nothing of it."""
+    assert preflight.TRAIN_LONGER == main.TRAIN_LONGER
+
+
+def test_peak_memory_on_a_cpu_whose_os_does_not_tell_it_is_nan(monkeypatch):
+    """Windows has no resource module: the lesson imports without it and prints nan for the CPU's peak memory."""
+    assert main.peak_memory_gib(torch.device("cpu")) > 0
+    monkeypatch.setattr(main, "resource", None)
+    assert main.peak_memory_gib(torch.device("cpu")) != main.peak_memory_gib(torch.device("cpu"))  # NaN
