@@ -6,6 +6,7 @@ images.py) alone.
 
     python tests/lesson.py                 # prints it, with a note of what was taken out (on stderr)
     python tests/lesson.py > my_ddp.py     # to read it beside the tutorial, or to start a project from it
+    python tests/lesson.py --write         # docs/lesson.py anew, which the README's step table links to
 
 The rule, in full: the harness is what comes from harness/. A statement is taken out when it names such a module
 (as main.py imports it) or name; a compound statement (if, for, with, def) when its header does, else what is
@@ -20,6 +21,8 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HARNESS = "harness"  # the package: whatever comes from it is the harness
+PRINTED = os.path.join(ROOT, "docs", "lesson.py")  # the lesson, to read and link to (tests/test_readme.py: current)
+PRINTED_NOTE = "# main.py without its harness, as `python tests/lesson.py` prints it: edit main.py, then --write.\n"
 
 
 def _from_harness(module):
@@ -135,7 +138,11 @@ def strip(source):
 def main():
     with open(os.path.join(ROOT, "main.py")) as f:
         lesson, taken = strip(f.read())
-    sys.stdout.write(lesson)
+    if sys.argv[1:] == ["--write"]:
+        with open(PRINTED, "w") as f:
+            f.write(PRINTED_NOTE + lesson)
+    else:
+        sys.stdout.write(lesson)
     print(f"# tests/lesson.py: {len(taken)} statements of main.py's harness taken out (lines "
           f"{', '.join(str(first) if first == last else f'{first}-{last}' for first, last, _ in taken)})",
           file=sys.stderr)

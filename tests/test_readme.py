@@ -4,17 +4,27 @@ import re
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_readme_step_tables_point_at_the_marked_steps():
+def test_readme_step_tables_point_at_the_marked_steps_in_main_py_and_the_printed_lesson():
+    """Each row of both step tables links to its step's marks in main.py and in docs/lesson.py, which is the lesson
+    tests/lesson.py prints now (python tests/lesson.py --write makes it anew)."""
+    import lesson
+    with open(os.path.join(ROOT, "main.py")) as f:
+        source = f.read()
+    with open(lesson.PRINTED) as f:
+        assert f.read() == lesson.PRINTED_NOTE + lesson.strip(source)[0], "run: python tests/lesson.py --write"
     with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
         readme = f.read()
-    with open(os.path.join(ROOT, "main.py")) as f:
-        lines = f.read().splitlines()
     rows = [line for line in readme.splitlines() if re.match(r"\| [1-4]\. ", line)]
     assert len(rows) == 8  # the English and the Chinese table
-    for row in rows:
-        step = row[2]
-        for number in re.findall(r"\(main\.py#L(\d+)\)", row):
-            assert f"Step {step}" in lines[int(number) - 1], (row, lines[int(number) - 1])
+    for path in ("main.py", "docs/lesson.py"):
+        with open(os.path.join(ROOT, path)) as f:
+            lines = f.read().splitlines()
+        for row in rows:
+            step = row[2]
+            numbers = re.findall(rf"\({re.escape(path)}#L(\d+)\)", row)
+            assert numbers, (path, row)
+            for number in numbers:
+                assert f"Step {step}" in lines[int(number) - 1], (row, lines[int(number) - 1])
 
 
 def test_readme_opens_with_the_two_commands_ci_runs():
