@@ -1,6 +1,7 @@
 """What main.py's comments, its modules' and the README's say PyTorch does, checked against the installed torch: one
 test per claim, named after it. A newer torch that changes one of these fails here instead of misleading a learner
 who copies the comment. Nothing here runs on a GPU; what only a GPU shows is listed in docs/tests.md."""
+import contextlib
 import json
 import os
 import subprocess
@@ -230,6 +231,27 @@ def _ddp_claims(rank, world_size, tmp):
         except RuntimeError:
             seen[f"unused_parameters_train_{find}"] = False
 
+    # find_unused_parameters' graph walk: DDP hands the forward's outputs to its reducer's search for unused
+    # parameters (through _find_tensors) after each forward with gradients, outside no_sync, and never without it.
+    import torch.nn.parallel.distributed as ddp_module
+    handed = []
+    find_tensors = ddp_module._find_tensors
+    ddp_module._find_tensors = lambda output: handed.append(1) or find_tensors(output)
+    walks = {}
+    for find in (True, False):
+        torch.manual_seed(0)
+        searched = DDP(torch.nn.Linear(2, 1), find_unused_parameters=find)
+        for case in ("training", "no_sync", "no_grad"):
+            handed.clear()
+            with searched.no_sync() if case == "no_sync" else contextlib.nullcontext():
+                with torch.no_grad() if case == "no_grad" else contextlib.nullcontext():
+                    output = searched(torch.ones(1, 2)).sum()
+            if case != "no_grad":
+                output.backward()
+            walks[f"{case}_{find}"] = len(handed)
+    ddp_module._find_tensors = find_tensors
+    seen["graph_walks"] = walks
+
     # SyncBatchNorm in a group of one process, on the CPU: refused (its device check comes first).
     groups = [dist.new_group([r]) for r in range(world_size)]  # (every rank makes every group)
     try:
@@ -378,6 +400,13 @@ def test_without_find_unused_parameters_a_parameter_without_gradient_stops_train
     assert not ddp_seen["unused_parameters_train_False"] and ddp_seen["unused_parameters_train_True"]
     import inspect
     assert inspect.signature(DDP).parameters["find_unused_parameters"].default is False
+
+
+def test_find_unused_parameters_walks_the_graph_after_each_forward_with_gradients_outside_no_sync(ddp_seen):
+    # main.py's comment at DDP(..., find_unused_parameters=...): the search is handed each training forward's output,
+    # none under no_sync or no_grad, and none at all with the flag off (its default).
+    assert ddp_seen["graph_walks"] == {"training_True": 1, "no_sync_True": 0, "no_grad_True": 0,
+                                       "training_False": 0, "no_sync_False": 0, "no_grad_False": 0}
 
 
 def test_sync_batchnorm_in_a_group_of_one_on_the_cpu_is_refused(ddp_seen):
