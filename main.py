@@ -22,29 +22,32 @@ every mistake found before any work and said in one line, a stop that saves wher
 What this file asks of a data set and a model, all of it. A data set and a model of your own replace dataset.py
 and models.py, and nothing else changes:
 
-dataset.py gives open_dataset(root, split, ...) -> a torch Dataset.
-- Training: open_dataset(root, "train", crop_size=(height, width), seed=N, cache_dir=DIR or None,
+dataset.py gives open_dataset(root, split, ...) -> a map-style torch Dataset (__len__ and __getitem__).
+- Training: open_dataset(root, "train", crop_size=[height, width], seed=N, cache_dir=DIR or None,
   scale_range=(low, high), color_jitter=S), from the flags of the same names. A data set may ignore an option it
-  has no use for, but not crop_size: every training sample has that size, so that a batch stacks.
+  has no use for, but not crop_size: every training sample has that size, so that a batch stacks. It holds at
+  least one global batch (-b x processes x --accum-steps) of samples.
 - Evaluation: open_dataset(root, "val", cache_dir=DIR or None), at full size, one image a batch.
-- dataset[i] -> (image, label). image: uint8 (3, H, W), RGB, not normalised (the lesson normalises each batch on
-  the device with ImageNet's mean and std: normalize below). label: uint8 (H, W) class indices, 255 (IGNORE_INDEX)
-  where no class is known.
-- .classes: {"names": [each class's name, in index order]}.
+- dataset[i] -> (image, label), torch tensors. image: uint8 (3, H, W), RGB, not normalised (the lesson normalises
+  each batch on the device with ImageNet's mean and std: normalize below). label: uint8 (H, W) class indices, 255
+  (IGNORE_INDEX) where no class is known.
+- .classes: {"names": [each class's name, in index order]}, plain data (lists, strings, numbers): a checkpoint keeps
+  it, and torch.load(weights_only=True) reads nothing else back.
 - .epoch: the lesson sets it before each epoch. Draw a training sample's augmentation from (seed, epoch, index)
   alone, not from torch's or numpy's global generator: a resumed run then draws what an uninterrupted one would.
   With -j > 0 the loader's workers last from epoch to epoch, each with a copy of the data set made when it started,
-  so keep the epoch where they see it change (dataset.py keeps it in a shared-memory tensor): a plain attribute
-  would freeze their augmentation at the first epoch's.
+  so keep the epoch where they see it change: a property over torch.zeros((), dtype=torch.int64).share_memory_(),
+  read with int() and set with fill_(). A plain attribute would freeze their augmentation at the first epoch's.
 - Optional, for --save-predictions alone: .save_prediction(index, prediction, folder) writes val sample index's
-  prediction ((H, W) class indices) into folder.
+  prediction ((H, W) class indices, a CPU tensor) into folder, in the last epoch's evaluation or -e's.
 
 models.py gives build_model(name, num_classes, output_stride, pretrained) -> an nn.Module, and MODEL_NAMES.
 - name: one of MODEL_NAMES, --model's choices; the first is the default. output_stride: 8 or 16 (a model without
-  one ignores it). pretrained: "imagenet", a path or "none" (--pretrained-backbone).
+  one ignores it). pretrained: "imagenet" (the default), a path or "none", from --pretrained-backbone; a model with
+  no pretrained weights ignores it.
 - forward(images): float (N, 3, H, W), normalised -> logits (N, num_classes, H, W), at the input's size.
-- .backbone: a module that holds the layers that start pretrained. They learn at --backbone-lr times --lr, the
-  rest at --lr.
+- .backbone: a module that holds the layers that start pretrained (an empty nn.Sequential() where none do). They
+  learn at --backbone-lr times --lr, the rest at --lr.
 
 The harness reads more of dataset.py's data sets than this (check_files, images, prediction_path,
 classes["colors"]): with data of your own that lacks them, start from the lesson (python tests/lesson.py).
@@ -428,7 +431,7 @@ def build(args):
     crop_size = args.crop_size * 2 if len(args.crop_size) == 1 else args.crop_size  # one number: a square
     train_set = open_dataset(args.data, "train", crop_size=crop_size, seed=args.seed, cache_dir=args.cache_dir,
                              scale_range=args.scale_range, color_jitter=args.color_jitter)
-    val_set = open_dataset(args.data, "val", cache_dir=args.cache_dir)  # the same classes: one classes.json
+    val_set = open_dataset(args.data, "val", cache_dir=args.cache_dir)  # the same classes as train_set
     checkpoint = checkpoints.checked(checkpoint, args, train_set)  # harness: this model's, whole, fitting this data
     torch.manual_seed(args.seed)  # the same initial weights on every rank, and in every run of this seed
     # A checkpoint holds every weight: only a fresh start fetches the pretrained backbone.
@@ -482,8 +485,8 @@ def main(args):
     model, model_without_ddp = wrap_model(model, args, device, distributed)  # Step 3, below
     loaders = make_loaders(train_set, val_set, args, use_cuda)  # Step 4, below
     stops.shield_workers(loaders.train, loaders.val)  # harness: a stop to every process of the job is this one's
-    # evaluate() takes the unwrapped model. A name of its own: evaluation may wrap it (test-time augmentation) and
-    # leave the model that trains and is saved as it is.
+    # evaluate() takes the unwrapped model. A name of its own: evaluation may wrap it (test-time augmentation, as -e
+    # does with the --eval-* flags) and leave the model that trains and is saved as it is.
     model_to_evaluate = model_without_ddp
     model_to_evaluate = inference.wrap(model_to_evaluate, args)  # harness: -e's multi-scale, flip, sliding window
     if args.evaluate:
@@ -544,9 +547,10 @@ def default_workers():
 
 
 class SkipFirst(torch.utils.data.Sampler):
-    """A sampler's order from an offset on. A checkpoint saved mid-epoch (on a stop: Ctrl-C, a preemption) resumes at
-    its next batch: set `skip` (samples) before each epoch, and the loader yields only the batches not yet seen. The
-    wrapped sampler still decides the order, so the rest is what the stopped run would have seen."""
+    """A sampler's order from an offset on, for a checkpoint saved mid-epoch. This file saves at each epoch's end
+    (step 0 of the next); a run that also saves on a stop (Ctrl-C, a preemption: main.py's full program does) resumes
+    at its next batch. Set `skip` (samples) before each epoch, and the loader yields only the batches not yet seen:
+    the wrapped sampler still decides the order, so the rest is what the stopped run would have seen."""
 
     def __init__(self, sampler):
         self.sampler = sampler

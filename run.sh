@@ -10,9 +10,8 @@
 #   MAX_RESTARTS=3 ./run.sh                            # torchrun restarts failed workers; they resume
 #
 # With DATA not set and nothing in data/cityscapes, it writes a synthetic set once (data/cityscapes_synthetic)
-# and trains a demo sized for a laptop CPU into output/demo: 2 min 09 s on a 2-core AMD EPYC with AVX-512 (from a
-# fresh clone, writing the set included), 3 min 26 s on a 2-core AMD EPYC with AVX2 only (README.md). Paths (DATA,
-# OUTPUT_DIR, the arguments) are relative to where you run it, as for any command.
+# and trains a demo sized for a laptop CPU into output/demo: about 3 minutes on 2 cores (BENCHMARKS.md, by
+# machine). Paths (DATA, OUTPUT_DIR, the arguments) are relative to where you run it, as for any command.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")" && pwd)  # where main.py and the other programs are
 

@@ -22,7 +22,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HARNESS = "harness"  # the package: whatever comes from it is the harness
 PRINTED = os.path.join(ROOT, "docs", "lesson.py")  # the lesson, to read and link to (tests/test_readme.py: current)
-PRINTED_NOTE = "# main.py without its harness, as `python tests/lesson.py` prints it: edit main.py, then --write.\n"
+PRINTED_NOTE = "# The lesson: main.py without its harness, as `python tests/lesson.py` prints it. Copy it to start.\n"
 
 
 def _from_harness(module):
