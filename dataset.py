@@ -62,9 +62,9 @@ def train_transform(image, label, crop_size, generator, scale_range=(0.5, 2.0)):
     resize_pad_flip in one call, on a whole decoded frame (Cityscapes.__getitem__ calls the two itself, to
     copy only the crop's region out of the frame or the cache).
 
-    The same in distribution as "resize the whole image by a random factor, then take a random crop", not
-    pixel for pixel: it cuts the crop's region out of the source first and resizes only that, so the
-    interpolation at the region's edges differs. On a 2048x1024 image with a 768 crop that is several times
+    About the same in distribution as "resize the whole image by a random factor, then take a random crop",
+    not pixel for pixel: it cuts the crop's region out of the source first, snapped to whole source pixels,
+    and resizes only that. On a 2048x1024 image with a 768 crop that is several times
     less work. Where the scaled image is smaller than the crop, the image is padded with 0 and the label
     with 255 (ignore), never with 0, which is the class "road".
     """

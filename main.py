@@ -19,20 +19,22 @@ checkpoint and resuming from one) runs on torch, models.py and dataset.py (which
 every mistake found before any work and said in one line, a stop that saves where the ranks are, a lost peer named,
 --resume auto, metrics and pictures.
 
-What this file asks of a data set and a model, all of it. A data set and a model of your own replace dataset.py
-and models.py, and nothing else changes:
+What the lesson asks of a data set and a model, all of it. A data set and a model of your own replace dataset.py
+and models.py, and nothing else changes. Both are made on the CPU (touch no CUDA: Step 1 comes after them).
 
-dataset.py gives open_dataset(root, split, ...) -> a map-style torch Dataset (__len__ and __getitem__).
+dataset.py gives open_dataset(root, split, ...) -> a map-style torch Dataset (__len__ and __getitem__), picklable
+(DataLoader workers start by spawn on macOS and Windows).
 - Training: open_dataset(root, "train", crop_size=[height, width], seed=N, cache_dir=DIR or None,
   scale_range=(low, high), color_jitter=S), from the flags of the same names. A data set may ignore an option it
   has no use for, but not crop_size: every training sample has that size, so that a batch stacks. It holds at
   least one global batch (-b x processes x --accum-steps) of samples.
-- Evaluation: open_dataset(root, "val", cache_dir=DIR or None), at full size, one image a batch.
+- Evaluation: open_dataset(root, "val", cache_dir=DIR or None), at full size, one image a batch. Its labels index
+  the training set's classes.
 - dataset[i] -> (image, label), torch tensors. image: uint8 (3, H, W), RGB, not normalised (the lesson normalises
-  each batch on the device with ImageNet's mean and std: normalize below). label: uint8 (H, W) class indices, 255
+  each batch on the device with ImageNet's mean and std: normalize below). label: (H, W) class indices, 255
   (IGNORE_INDEX) where no class is known.
-- .classes: {"names": [each class's name, in index order]}, plain data (lists, strings, numbers): a checkpoint keeps
-  it, and torch.load(weights_only=True) reads nothing else back.
+- .classes (of the training set): {"names": [each class's name, in index order]}, plain data (lists, strings,
+  numbers): a checkpoint keeps it, and torch.load(weights_only=True) reads back only plain data and tensors.
 - .epoch: the lesson sets it before each epoch. Draw a training sample's augmentation from (seed, epoch, index)
   alone, not from torch's or numpy's global generator: a resumed run then draws what an uninterrupted one would.
   With -j > 0 the loader's workers last from epoch to epoch, each with a copy of the data set made when it started,
@@ -45,12 +47,14 @@ models.py gives build_model(name, num_classes, output_stride, pretrained) -> an 
 - name: one of MODEL_NAMES, --model's choices; the first is the default. output_stride: 8 or 16 (a model without
   one ignores it). pretrained: "imagenet" (the default), a path or "none", from --pretrained-backbone; a model with
   no pretrained weights ignores it.
-- forward(images): float (N, 3, H, W), normalised -> logits (N, num_classes, H, W), at the input's size.
-- .backbone: a module that holds the layers that start pretrained (an empty nn.Sequential() where none do). They
-  learn at --backbone-lr times --lr, the rest at --lr.
+- forward(images): float (N, 3, H, W), normalised -> logits (N, num_classes, H, W), at the input's size. Random
+  numbers (dropout) come from torch's global generator, which the lesson seeds before each forward.
+- Every parameter gets a gradient in every step (else give --find-unused-parameters).
+- .backbone: a module, whose parameters learn at --backbone-lr times --lr, the rest at --lr. It holds the layers
+  that start pretrained, if any (an empty nn.Sequential() gives every layer --lr).
 
-The harness reads more of dataset.py's data sets than this (check_files, images, prediction_path,
-classes["colors"]): with data of your own that lacks them, start from the lesson (python tests/lesson.py).
+The harness uses more of dataset.py and models.py than this: check_files, largest, save_prediction (always) and
+names of both modules. With a data set or a model of your own, start from the lesson (docs/lesson.py).
 """
 import argparse
 import contextlib
@@ -136,7 +140,7 @@ def get_args_parser():
 
 
 def add_launch_arguments(parser):
-    """How the processes run: precision, the process group, the GPU's options, Step 1's local rank."""
+    """How the processes run: precision, the process group, DDP's and the GPU's options, Step 1's local rank."""
     parser.add_argument("--amp", nargs="?", const="bf16", choices=("bf16", "fp16"), help="mixed precision: bf16 (the "
                         "default when given alone) or fp16 (with a GradScaler; CUDA only, by this program's choice)")
     parser.add_argument("--dist-backend", choices=("nccl", "gloo"), help="(default: nccl with CUDA, gloo on the CPU)")
@@ -207,7 +211,7 @@ def normalize(images):
     after the copy to the device: the workers and the copy move uint8, a quarter of float32's bytes."""
     mean = torch.tensor(MEAN, device=images.device).view(-1, 1, 1)
     std = torch.tensor(STD, device=images.device).view(-1, 1, 1)
-    return (images.float() * (1 / 255) - mean) / std  # (torchvision's arithmetic: the same floats as its normalize)
+    return (images.float() * (1 / 255) - mean) / std  # (torchvision.transforms.v2's arithmetic: its floats)
 
 
 def autocast(args, device):
@@ -303,7 +307,8 @@ def train_one_epoch(model, optimizer, scaler, loader, device, epoch, first_step,
             # The mean over ranks, not rank 0's alone: every rank joins this. (.item() waits for the step to finish:
             # only on the steps that print.) A data time near the step time means the GPU starves.
             mean_loss = all_reduce(loss.clone()).item() / world_size
-            now, (then, steps_then, waited_then) = time.time(), printed
+            now = time.time()
+            then, steps_then, waited_then = printed
             step_time = (now - then) / (steps - steps_then)
             data_time = (data_wait - waited_then) / (steps - steps_then)
             eta = (now - start) / steps * (steps_per_epoch - step - 1 + (args.epochs - epoch - 1) * steps_per_epoch)

@@ -41,7 +41,7 @@ from harness import checkpoints, checks, inference, job, paths, records, recover
 from dataset import CLASS_NAMES, TRAINID_TO_ID
 from harness.errors import fail, first_line
 from images import read_image
-from main import default_workers, normalize  # the lesson's: the input the model learned on
+from main import default_workers, normalize  # the lesson's: normalize gives the input the model learned on
 
 EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".tif", ".tiff")
 # Picture kinds a folder may hold that are skipped there and said (a GIF's first frame alone would be predicted);

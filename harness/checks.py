@@ -37,7 +37,7 @@ class Range(NamedTuple):
         return " and ".join(bounds) or "finite"
 
 
-# --dist-timeout at most a week: a lost peer would hold every GPU idle that long, and a longer value is more likely a
+# --dist-timeout at most a week: a hung peer can hold every GPU idle that long, and a longer value is more likely a
 # typo than a wish. (Not a limit of timedelta, which holds up to 999,999,999 days.)
 WEEK_MINUTES = 7 * 24 * 60
 # And at least 6 s: a shorter one can fail the healthy collectives of a slow machine (forming the group, the first

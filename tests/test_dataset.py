@@ -116,8 +116,8 @@ def test_samples_are_uint8_and_the_crop_read_first_is_train_transform_of_the_who
 
 
 def test_main_py_s_normalize_equals_torchvision_float_conversion_on_every_device():
-    """main.py's own normalize (the lesson asks the data set for uint8 alone) gives torchvision's floats, bit for bit:
-    checkpoints trained with torchvision's normalisation predict the same."""
+    """main.py's own normalize (the lesson asks the data set for uint8 alone) gives torchvision.transforms.v2's floats
+    (to_dtype with scale, then normalize), bit for bit: checkpoints trained with them predict the same."""
     generator = torch.Generator().manual_seed(0)
     batch = torch.randint(0, 256, (2, 3, 8, 16), dtype=torch.uint8, generator=generator)
     devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])

@@ -1,7 +1,7 @@
 """A data set written from main.py's docstring alone, to hold the lesson to that contract (tests/test_lesson.py):
 nothing of the project's dataset.py. Scenes of a square and a disc on noise, made from their index; the training
-crop and flip drawn from (seed, epoch, index). With CONTRACT_CRASH_AT_EPOCH set, a training sample of that epoch
-fails, as a crash would: the test's interrupted run."""
+crop and flip drawn from (seed, epoch, index). With CONTRACT_CRASH="EPOCH N" set, the training sample after the N
+first of that epoch in a worker fails, as a crash would: the test's interrupted run."""
 import os
 
 import numpy as np
@@ -33,8 +33,11 @@ def scene(split, index):
 
 
 class Shapes(torch.utils.data.Dataset):
+    """Nothing public but what the contract names: a lesson that read more would fail."""
+
     def __init__(self, split, crop_size, seed):
-        self.split, self.crop_size, self.seed = split, crop_size, seed
+        self._split, self._crop_size, self._seed = split, crop_size, seed
+        self._fetched = 0  # training samples of the crash's epoch fetched in this process
         self.classes = {"names": NAMES}
         # The epoch in shared memory: persistent DataLoader workers see it change.
         self._epoch = torch.zeros((), dtype=torch.int64).share_memory_()
@@ -48,16 +51,19 @@ class Shapes(torch.utils.data.Dataset):
         self._epoch.fill_(value)
 
     def __len__(self):
-        return SIZES[self.split]
+        return SIZES[self._split]
 
     def __getitem__(self, index):
-        image, label = scene(self.split, index)
-        if self.crop_size is None:
+        image, label = scene(self._split, index)
+        if self._crop_size is None:
             return image, label
-        if str(self.epoch) == os.environ.get("CONTRACT_CRASH_AT_EPOCH"):
-            raise RuntimeError(f"the test's crash in epoch {self.epoch}")
-        height, width = self.crop_size
-        draw = np.random.default_rng([self.seed, self.epoch, index])  # from (seed, epoch, index) alone
+        crash = os.environ.get("CONTRACT_CRASH", "").split()
+        if crash and int(crash[0]) == self.epoch:
+            self._fetched += 1
+            if self._fetched > int(crash[1]):
+                raise RuntimeError(f"the test's crash in epoch {self.epoch}")
+        height, width = self._crop_size
+        draw = np.random.default_rng([self._seed, self.epoch, index])  # from (seed, epoch, index) alone
         top, left = draw.integers(0, 40 - height + 1), draw.integers(0, 48 - width + 1)
         image, label = image[:, top:top + height, left:left + width], label[top:top + height, left:left + width]
         if draw.random() < 0.5:

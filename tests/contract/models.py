@@ -18,8 +18,8 @@ class TinyShapes(nn.Module):
     def __init__(self, num_classes):
         super().__init__()
         self.backbone = nn.Sequential(nn.Conv2d(3, 8, 3, stride=2, padding=1), nn.BatchNorm2d(8), nn.ReLU())
-        self.head = nn.Sequential(nn.Dropout2d(0.2), nn.Conv2d(8, num_classes, 1))
+        self._head = nn.Sequential(nn.Dropout2d(0.2), nn.Conv2d(8, num_classes, 1))
 
     def forward(self, images):
-        return F.interpolate(self.head(self.backbone(images)), size=images.shape[-2:], mode="bilinear",
+        return F.interpolate(self._head(self.backbone(images)), size=images.shape[-2:], mode="bilinear",
                              align_corners=False)
