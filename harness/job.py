@@ -75,11 +75,19 @@ class Stops:
 
 
 @dataclass
+class Records:
+    """What records.py keeps while a run writes its records."""
+    writer: object = None               # TensorBoard's SummaryWriter (rank 0, with --tensorboard)
+    estimated: bool = False             # the time left was said, once, after the first epoch that trained a step
+    lost_predictions: list | None = None  # [the first OSError, how many predictions were lost]: watch_predictions
+
+
+@dataclass
 class Run:
     """A run's state, all of it: a field per concern, each written by the module named beside it alone, and read as
-    job.RUN.<field>. Each owner sets its field afresh where a run starts, so that a second run in one process (the
-    tests') starts clean; `unchecked` alone lasts the process. Every other module-level name of the harness is a
-    constant."""
+    job.RUN.<field>. begin_run() sets every field afresh where a run starts (recovery.guard), so that a second run
+    in one process (bench.py's, the tests') starts clean; `unchecked` alone lasts the process. Every other
+    module-level name of the harness is a constant."""
     env: Environment = field(default_factory=Environment)  # job.read_environment (recovery.guard, first thing)
     command: Command = field(default_factory=Command)      # job.remember_command (the preflight)
     guard: Guard = field(default_factory=Guard)            # recovery.py
@@ -88,11 +96,19 @@ class Run:
     held: tuple | None = None                              # paths.py: (descriptor, path, folders made for it)
     weights: dict = field(default_factory=dict)            # checkpoints.py: {path: checkpoint}, --weights read once
     unchecked: set = field(default_factory=set)            # checkpoints.py: files without CRC-32s, said once each
-    # records.py: TensorBoard's writer (rank 0, with --tensorboard), and whether the time left was estimated yet
-    records: dict = field(default_factory=lambda: {"writer": None, "estimated": False})
+    records: Records = field(default_factory=Records)      # records.py
 
 
 RUN = Run()  # never replaced itself, only its fields: `from .job import RUN` is this process's run from anywhere
+
+
+def begin_run():
+    """The one reset: every field of RUN as a new process has it, but `unchecked`, which lasts the process. Called
+    where a run starts (recovery.guard, before anything else) and by the tests before each test, once what an
+    earlier run left holding (signal handlers, the heartbeat, TensorBoard's writer, the output folder) is let go."""
+    fresh = Run(unchecked=RUN.unchecked)
+    for name in vars(fresh):
+        setattr(RUN, name, getattr(fresh, name))
 
 
 def _whole_number(name, default, low=0, high=None, advice="set it as a launcher does (torchrun sets RANK, "

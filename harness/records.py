@@ -32,12 +32,13 @@ def open_tensorboard(args, first_iteration):
     """Rank 0's TensorBoard writer with --tensorboard, which makes OUTPUT_DIR/tensorboard/ and its first file.
     purge_step: TensorBoard drops what a stopped run drew from that iteration on, so that a resumed run draws no
     stretch twice."""
-    RUN.records.update(writer=None, estimated=False)
+    RUN.records.writer = None
+    RUN.records.estimated = False
     if not (args.tensorboard and is_main_process()):
         return
     from torch.utils.tensorboard import SummaryWriter  # optional: the preflight found it installed
     try:
-        RUN.records["writer"] = SummaryWriter(os.path.join(args.output_dir, "tensorboard"), purge_step=first_iteration)
+        RUN.records.writer = SummaryWriter(os.path.join(args.output_dir, "tensorboard"), purge_step=first_iteration)
     except OSError as error:
         fail(f"cannot write TensorBoard's files in {args.output_dir} ({error})", this_rank=True)
 
@@ -46,7 +47,7 @@ def draw(iteration, loss, lr, images_per_s):
     """The training curves' points into TensorBoard's files (with --tensorboard), at the iteration (continued on
     resume). A write that fails (a full disk) says so once and draws no more: the epoch's checkpoint then stops the
     run with one line."""
-    writer = RUN.records["writer"]
+    writer = RUN.records.writer
     if writer is None:
         return
     try:
@@ -60,11 +61,11 @@ def _tensorboard_failed(error):
     """A write of TensorBoard's that failed (a full disk): said once, and no more curves; the run goes on (its
     checkpoint says whether the disk is full for it too)."""
     log(f"warning: TensorBoard cannot write ({error}): no curves for the rest of this run")
-    RUN.records["writer"] = None
+    RUN.records.writer = None
 
 
 def close_tensorboard():
-    writer, RUN.records["writer"] = RUN.records["writer"], None
+    writer, RUN.records.writer = RUN.records.writer, None
     if writer is not None:
         with contextlib.suppress(OSError):  # a full disk now: said already
             writer.close()
@@ -139,7 +140,7 @@ def write_epoch(args, epoch, steps_per_epoch, stats, train_loss, evaluation, sam
         stops.write_failed(f"cannot write in {args.output_dir} ({paths.why_not_written(error)}): "
                            + _then(args, error))  # every rank stops at the epoch's end, together
         return
-    if RUN.records["writer"] is not None:  # the curves are not the run's: a write that fails costs them alone
+    if RUN.records.writer is not None:  # the curves are not the run's: a write that fails costs them alone
         try:
             _draw_epoch(record, drawn)
         except OSError as error:
@@ -148,9 +149,9 @@ def write_epoch(args, epoch, steps_per_epoch, stats, train_loss, evaluation, sam
         log(f"note: the training loop waited {stats.data_wait:.0%} of its time for data: raise -j if the machine has "
             "the cores" + ("" if args.cache_dir else ", or decode once with --cache-dir"))
     left = args.epochs - epoch - 1
-    if not RUN.records["estimated"] and left and stats.steps:  # after the run's first epoch that trained a step, so
+    if not RUN.records.estimated and left and stats.steps:  # after the run's first epoch that trained a step, so
         # that nobody wonders whether it hangs
-        RUN.records["estimated"] = True
+        RUN.records.estimated = True
         training = stats.seconds * steps_per_epoch / max(stats.steps, 1)  # a whole epoch's, also when it resumed
         estimate = (training + evaluation.seconds) * left
         log(f"the other {left} epoch(s) will take about {timedelta(seconds=round(estimate))}")
@@ -180,7 +181,7 @@ def _last_line_unended(path):
 
 def _draw_epoch(record, picture):
     """The epoch's points, at the iteration it ends on (the step curves' x-axis), and its picture."""
-    writer, iteration = RUN.records["writer"], record["iteration"]
+    writer, iteration = RUN.records.writer, record["iteration"]
     for name, value in [("val/mIoU", record["miou"]), ("train/epoch_loss", record["train_loss"]),
                         *((f"val_IoU/{name}", value) for name, value in record["iou"].items())]:
         if value is not None and not math.isnan(value):  # a class absent from val has no IoU
@@ -216,7 +217,7 @@ def write_eval(args, evaluation, sample, classes, num_images):
         as_it_was = "eval.json is as it was" if os.path.isfile(path) else "no eval.json was written"
         fail(f"cannot write in {args.output_dir} ({paths.why_not_written(error)}): {as_it_was}; "
              f"{paths.what_to_do(error, path)}, or give -e another {named('--output-dir')}", this_rank=True)
-    lost = RUN.records.get("lost_predictions")
+    lost = RUN.records.lost_predictions
     written = f" and predictions to {args.save_predictions}" if args.save_predictions and not lost else ""
     log(f"wrote {path}{written}" + earlier)
     say_lost_predictions(args)
@@ -278,11 +279,11 @@ def watch_predictions(val_set):
     full disk) instead of raising it out of the evaluation: the evaluation finishes, the epoch is saved (or -e's
     eval.json written), and say_lost_predictions then ends the run in one line. After a first failure the rest are
     counted, not tried; a file half written is removed."""
-    RUN.records["lost_predictions"] = None
+    RUN.records.lost_predictions = None
     save = val_set.save_prediction
 
     def save_or_note(index, prediction, folder):
-        lost = RUN.records["lost_predictions"]
+        lost = RUN.records.lost_predictions
         if lost is not None:
             lost[1] += 1
             return
@@ -290,7 +291,7 @@ def watch_predictions(val_set):
             save(index, prediction, folder)
         except OSError as error:
             paths.note_free_space(error, folder)
-            RUN.records["lost_predictions"] = [error, 1]
+            RUN.records.lost_predictions = [error, 1]
             if hasattr(val_set, "prediction_path"):
                 with contextlib.suppress(OSError):
                     os.remove(val_set.prediction_path(index, folder))
@@ -300,7 +301,7 @@ def watch_predictions(val_set):
 def say_lost_predictions(args):
     """Predictions this rank could not write, in one line (every rank says its own), once what the run had to keep
     is kept: the last epoch's checkpoint, or -e's eval.json. With how to write them again, which works as written."""
-    lost = RUN.records.get("lost_predictions")
+    lost = RUN.records.lost_predictions
     if lost is None:
         return
     error, count = lost

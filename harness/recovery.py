@@ -108,6 +108,7 @@ def _begin(program, args):
     """A run starts with nothing said and no signal seen (a second run in one process too: the tests'): the
     launcher's variables read, a torchrun restart of a job stopped on a mistake ended at once, the stop signals
     installed."""
+    job.begin_run()  # every field of job.RUN afresh: a second run in one process (bench.py's, the tests') too
     RUN.guard = job.Guard(program=program, args=args,
                           output_dir=getattr(args, "output_dir", None) if program == "main.py" else None)
     # At exit the interpreter's garbage collections walk every object torch and torchvision made. It costs about 2 s
