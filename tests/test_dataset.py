@@ -281,6 +281,7 @@ def test_a_damaged_cache_file_is_rebuilt_not_trusted(tiny_data, tmp_path, damage
     assert all(isinstance(array, np.memmap) for array in data.frame(0))  # whole again
 
 
+@pytest.mark.launch
 def test_prepare_cache_fills_the_cache_that_training_reads(tiny_data, tmp_path):
     """python path/to/harness/cache.py, run as a file from another folder (a program's launch is the point here),
     with two worker processes."""

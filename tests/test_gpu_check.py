@@ -37,6 +37,7 @@ def test_every_command_parses_with_its_programs_parser(mode, tmp_path):
     assert checked == set(parsers) - {"main.py"}  # main.py, through run.sh
 
 
+@pytest.mark.launch
 def test_its_first_step_runs(tmp_path):
     out = str(tmp_path / "check")
     result = subprocess.run(["bash", "tests/gpu_check.sh", "--dry-run", "--first-step-only", "--out", out], cwd=ROOT,

@@ -11,6 +11,7 @@ import subprocess
 import symtable
 import sys
 
+import pytest
 import torch
 
 import lesson
@@ -21,6 +22,7 @@ from harness import preflight
 CONTRACT = os.path.join(ROOT, "tests", "contract")  # dataset.py and models.py written from main.py's docstring alone
 
 
+@pytest.mark.launch
 def test_without_its_harness_main_py_trains_evaluates_and_saves_on_two_processes_and_resumes(tiny_data, tmp_path):
     """The lesson lifted into a folder of its own and run there by fresh interpreters, which find nothing else of the
     project. Its training runs under torchrun on two processes, the launch the tutorial teaches being the point; the
@@ -126,6 +128,7 @@ def _miou(model, val_set, num_classes, counted):
     return (hits[union > 0] / union[union > 0]).mean().item()
 
 
+@pytest.mark.launch
 def test_the_lesson_on_a_data_set_and_a_model_written_from_its_contract_alone(tmp_path):
     """The printed lesson beside tests/contract's dataset.py and models.py, written from main.py's docstring and
     importing nothing of the project, under torchrun on two gloo processes with a persistent worker each (-j 1).

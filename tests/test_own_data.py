@@ -193,6 +193,7 @@ def test_a_checkpoint_from_before_classes_were_saved_is_cityscapes(trained, tiny
     assert "was trained for 19 classes (road, sidewalk, building, ...)" in line, line
 
 
+@pytest.mark.launch
 def test_run_sh_names_what_a_folder_data_set_lacks(folder_data, tmp_path):
     data = str(tmp_path / "data")
     shutil.copytree(folder_data, data)

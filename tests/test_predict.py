@@ -67,6 +67,7 @@ def checkpoint(tmp_path_factory):
     return path
 
 
+@pytest.mark.launch
 def test_any_image_predicted_at_its_size_and_a_broken_one_named(checkpoint, tmp_path):
     inputs = str(tmp_path / "photos")
     write_images(inputs)
@@ -96,6 +97,7 @@ def test_any_image_predicted_at_its_size_and_a_broken_one_named(checkpoint, tmp_
     assert {k: v for k, v in fingerprint(inputs).items() if not k.startswith("predictions/")} == before
 
 
+@pytest.mark.launch
 def test_torchrun_two_processes_write_every_image_once(checkpoint, tmp_path):
     inputs = str(tmp_path / "photos")
     write_images(inputs, broken=False)

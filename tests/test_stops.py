@@ -106,6 +106,7 @@ def _wait_for_process(text, *more, timeout=60):
 
 @pytest.mark.parametrize("moment", ["counting the GPUs", "writing the synthetic set",
                                     "checking the arguments and the data"])
+@pytest.mark.launch
 def test_ctrl_c_while_run_sh_prepares_says_so_in_one_line_and_leaves_nothing(moment, tiny_data, tmp_path):
     out, synthetic = str(tmp_path / "out"), str(tmp_path / "synthetic")
     # Writing the synthetic set: run where there is no data/cityscapes, DATA not set (the demo's case).
@@ -154,6 +155,7 @@ def test_a_stop_to_the_whole_process_group_saves_and_exits_0(data24, tmp_path):
     assert 2 <= checkpoints.read("--resume", os.path.join(out, "checkpoint.pth"))["step"] < 12
 
 
+@pytest.mark.launch
 def test_gpu_check_stopped_stops_the_commands_it_started(tmp_path):
     out = str(tmp_path / "check")
     process = _start_in_its_own_group([sys.executable, "tests/gpu_check.py", "--dry-run", "--out", out], CPU_ENV)
@@ -166,6 +168,7 @@ def test_gpu_check_stopped_stops_the_commands_it_started(tmp_path):
     assert not any(".partial-" in name for name in os.listdir(os.path.join(out, "work")))
 
 
+@pytest.mark.launch
 def test_waits_for_other_nodes_and_processes_say_what_they_wait_for(tiny_data, tmp_path):
     """A node of two whose partner never comes, and rank 0 of two processes started by hand without rank 1: each
     says within seconds what it waits for, where, and when it gives up; run.sh stopped then stops at once."""
@@ -240,6 +243,7 @@ def _descendants(pid):
     return found
 
 
+@pytest.mark.launch
 def test_the_slurm_script_saves_at_the_time_limit_requeues_itself_and_goes_on(data24, tmp_path):
     """docs/cityscapes.md's sbatch script, run as Slurm runs it on one node, with stand-ins for srun (it runs its
     command) and scontrol (it records what it is asked): SIGTERM to every process of the job step mid-epoch, as
