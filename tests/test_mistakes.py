@@ -293,6 +293,7 @@ def test_the_data_folder_as_people_have_it(tiny_data, tmp_path, previous_run, ca
     assert _snapshot(previous_run) == before
 
 
+@pytest.mark.launch
 @pytest.mark.parametrize("variables, expect", [
     ({"NPROC": "0"}, "NPROC=0: give a whole number of at least 1"),
     ({"NPROC": "two"}, "NPROC=two: give a whole number of at least 1"),
@@ -315,6 +316,7 @@ def test_run_sh_variables_are_checked_before_anything_runs(variables, expect, pr
     assert _snapshot(previous_run) == before
 
 
+@pytest.mark.launch
 def test_run_sh_reads_a_leading_zero_as_decimal(tiny_data, tmp_path):
     """bash's arithmetic would read NPROC=010 as eight processes (and NPROC=08 as an error): ten are counted, and
     eight. A stand-in for Python records what run.sh starts (no torch to import: run.sh's own arithmetic is the
@@ -852,6 +854,7 @@ time.sleep(120)
 """
 
 
+@pytest.mark.launch
 def test_a_folder_in_use_is_refused_to_another_run_and_taken_over_from_a_dead_one(tiny_data, trained, tmp_path,
                                                                                   capsys):
     import signal
@@ -1160,56 +1163,86 @@ def _number_in_range(line):
 
 
 ADVICE = [  # (the mistake: argv after the common flags, its line's words, how its advice makes the next argv)
-    (["--amp", "fp16"], "--amp fp16 runs on CUDA only in this program",
-     lambda argv, line: _replace(argv, "--amp", re.search(r"use (--amp \w+)", line).group(1).split())),
-    (["--sync-bn"], "--sync-bn needs CUDA", lambda argv, line: "drop the flag" in line and _replace(argv, "--sync-bn", [])),
-    (["--dist-backend", "nccl"], "needs CUDA GPUs",
-     lambda argv, line: _replace(argv, "--dist-backend", re.search(r"use (--dist-backend \w+)", line).group(1).split())),
-    (["-e"], "evaluates a trained model",
-     lambda argv, line: argv + re.search(r"give it (--resume) PATH", line).group(1).split() + ["{best}"]),
-    (["-e", "--resume", "{best}", "--overwrite"], "-e trains nothing",
-     lambda argv, line: _replace(argv, re.search(r"drop (--\w+)", line).group(1), [])),
-    (["-e", "--resume", "{best}", "--tensorboard"], "-e writes eval.json",
-     lambda argv, line: _replace(argv, re.search(r"drop (--\w+)", line).group(1), [])),
-    (["--resume", "{best}", "--weights", "{best}"], "give one of the two",
-     lambda argv, line: _replace(argv, "--weights", [])),
-    (["--crop-size", "16", "-b", "1"], "too little for BatchNorm",
-     lambda argv, line: _replace(argv, "-b", re.search(r" or (-b \d+)", line).group(1).split())),
-    (["-b", "9"], "makes a global batch of 9",
-     lambda argv, line: _replace(argv, "-b", ["-b", re.search(r"--batch-size (\d+) or less", line).group(1)])),
-    (["-b", "1", "--accum-steps", "9"], "makes a global batch of 9",
-     lambda argv, line: _replace(argv, "--accum-steps", re.search(r"-b 1 (--accum-steps \d+) or less", line)
-                                 .group(1).split())),
-    (["--check-only", "6"], "only 5 val images",
-     lambda argv, line: _replace(argv, "--check-only", ["--check-only", re.search(r"at most (\d+)", line).group(1)])),
-    (["--seed", str(2**64)], "would pass 2**64 - 1",
-     lambda argv, line: _replace(argv, "--seed", ["--seed", re.search(r"--seed of at most (\d+)", line).group(1)])),
-    (["-b", "0"], "must be at least 1", lambda argv, line: _replace(argv, "-b", ["-b", _number_in_range(line)[1]])),
-    (["--lr", "-1"], "must be above 0", lambda argv, line: _replace(argv, "--lr", list(_number_in_range(line)))),
-    (["--momentum", "2"], "below 1", lambda argv, line: _replace(argv, "--momentum", list(_number_in_range(line)))),
-    (["-e", "--resume", "{best}", "--model", "deeplabv3_mobilenet_v3_large"], "holds a deeplabv3plus_mobilenet",
-     lambda argv, line: _replace(argv, "--model", re.search(r"pass (--model \S+)", line).group(1).split())),
-    (["-e", "--resume", "{bare}", "--model", "deeplabv3_mobilenet_v3_large"], "does not fit",
-     lambda argv, line: _replace(argv, "--model", re.search(r"give (--model \S+)", line).group(1).split())),
-    (["--resume", "{bare}"], "it has weights only",
-     lambda argv, line: argv + re.search(r"evaluate it with (-e)", line).group(1).split()),
-    (["--resume", "{bare}", "{no --model}"], "it has weights only",  # what it fits, which the default does not
-     lambda argv, line: argv + re.search(r"evaluate it with (-e --model \S+)", line).group(1).split()),
-    (["-e", "--resume", "{vision}"], "holds torchvision's own DeepLab",  # start afresh, from an ImageNet backbone
-     lambda argv, line: "(--pretrained-backbone) instead" in line and _replace(_replace(argv, "--resume", []), "-e",
-                                                                              [])),
-    (["--resume", "{bare}"], "it has weights only",
-     lambda argv, line: _replace(argv, "--resume", re.search(r"fine-tune from it with (--weights \S+)", line)
-                                 .group(1).split())),
-    (["-e", "--resume", "auto"], "no checkpoint in",
-     lambda argv, line: _replace(argv, "--resume", re.search(r"give -e (--resume) PATH", line).group(1).split()
-                                 + ["{best}"])),
-    (["--pretrained-backbone", "{best}"], "holds a whole DeepLab model",
-     lambda argv, line: _replace(argv, "--pretrained-backbone", re.search(r"with (--weights \S+)", line)
-                                 .group(1).split())),
-    (["--output-dir", "{data}/out"], "which this command reads",
-     lambda argv, line: "choose a folder outside it" in line and _replace(argv, "--output-dir",
-                                                                           ["--output-dir", "{fresh}/out"])),
+    pytest.param(["--amp", "fp16"], "--amp fp16 runs on CUDA only in this program",
+                 lambda argv, line: _replace(argv, "--amp", re.search(r"use (--amp \w+)", line).group(1).split()),
+                 id="amp-fp16-on-cpu"),
+    pytest.param(["--sync-bn"], "--sync-bn needs CUDA",
+                 lambda argv, line: "drop the flag" in line and _replace(argv, "--sync-bn", []), id="sync-bn-on-cpu"),
+    pytest.param(["--dist-backend", "nccl"], "needs CUDA GPUs",
+                 lambda argv, line: _replace(argv, "--dist-backend",
+                                             re.search(r"use (--dist-backend \w+)", line).group(1).split()),
+                 id="nccl-on-cpu"),
+    pytest.param(["-e"], "evaluates a trained model",
+                 lambda argv, line: argv + re.search(r"give it (--resume) PATH", line).group(1).split() + ["{best}"],
+                 id="evaluate-without-resume"),
+    pytest.param(["-e", "--resume", "{best}", "--overwrite"], "-e trains nothing",
+                 lambda argv, line: _replace(argv, re.search(r"drop (--\w+)", line).group(1), []),
+                 id="evaluate-with-overwrite"),
+    pytest.param(["-e", "--resume", "{best}", "--tensorboard"], "-e writes eval.json",
+                 lambda argv, line: _replace(argv, re.search(r"drop (--\w+)", line).group(1), []),
+                 id="evaluate-with-tensorboard"),
+    pytest.param(["--resume", "{best}", "--weights", "{best}"], "give one of the two",
+                 lambda argv, line: _replace(argv, "--weights", []), id="resume-and-weights"),
+    pytest.param(["--crop-size", "16", "-b", "1"], "too little for BatchNorm",
+                 lambda argv, line: _replace(argv, "-b", re.search(r" or (-b \d+)", line).group(1).split()),
+                 id="too-little-for-batchnorm"),
+    pytest.param(["-b", "9"], "makes a global batch of 9",
+                 lambda argv, line: _replace(argv, "-b", ["-b", re.search(r"--batch-size (\d+) or less", line)
+                                                          .group(1)]),
+                 id="batch-above-training-images"),
+    pytest.param(["-b", "1", "--accum-steps", "9"], "makes a global batch of 9",
+                 lambda argv, line: _replace(argv, "--accum-steps", re.search(r"-b 1 (--accum-steps \d+) or less",
+                                                                              line).group(1).split()),
+                 id="accum-steps-above-training-images"),
+    pytest.param(["--check-only", "6"], "only 5 val images",
+                 lambda argv, line: _replace(argv, "--check-only",
+                                             ["--check-only", re.search(r"at most (\d+)", line).group(1)]),
+                 id="processes-above-val-images"),
+    pytest.param(["--seed", str(2**64)], "would pass 2**64 - 1",
+                 lambda argv, line: _replace(argv, "--seed",
+                                             ["--seed", re.search(r"--seed of at most (\d+)", line).group(1)]),
+                 id="seed-past-generators"),
+    pytest.param(["-b", "0"], "must be at least 1",
+                 lambda argv, line: _replace(argv, "-b", ["-b", _number_in_range(line)[1]]), id="batch-size-0"),
+    pytest.param(["--lr", "-1"], "must be above 0",
+                 lambda argv, line: _replace(argv, "--lr", list(_number_in_range(line))), id="lr-negative"),
+    pytest.param(["--momentum", "2"], "below 1",
+                 lambda argv, line: _replace(argv, "--momentum", list(_number_in_range(line))), id="momentum-2"),
+    pytest.param(["-e", "--resume", "{best}", "--model", "deeplabv3_mobilenet_v3_large"],
+                 "holds a deeplabv3plus_mobilenet",
+                 lambda argv, line: _replace(argv, "--model", re.search(r"pass (--model \S+)", line).group(1).split()),
+                 id="model-not-the-checkpoint-s"),
+    pytest.param(["-e", "--resume", "{bare}", "--model", "deeplabv3_mobilenet_v3_large"], "does not fit",
+                 lambda argv, line: _replace(argv, "--model", re.search(r"give (--model \S+)", line).group(1).split()),
+                 id="weights-only-not-of-model"),
+    pytest.param(["--resume", "{bare}"], "it has weights only",
+                 lambda argv, line: argv + re.search(r"evaluate it with (-e)", line).group(1).split(),
+                 id="resume-weights-only-evaluate-them"),
+    # No --model given: the advice names the model the weights fit, which the default does not.
+    pytest.param(["--resume", "{bare}", "{no --model}"], "it has weights only",
+                 lambda argv, line: argv + re.search(r"evaluate it with (-e --model \S+)", line).group(1).split(),
+                 id="resume-weights-only-no-model-evaluate-them"),
+    # Start afresh, from an ImageNet backbone.
+    pytest.param(["-e", "--resume", "{vision}"], "holds torchvision's own DeepLab",
+                 lambda argv, line: "(--pretrained-backbone) instead" in line and _replace(
+                     _replace(argv, "--resume", []), "-e", []),
+                 id="torchvision-deeplab-start-afresh"),
+    pytest.param(["--resume", "{bare}"], "it has weights only",
+                 lambda argv, line: _replace(argv, "--resume", re.search(r"fine-tune from it with (--weights \S+)",
+                                                                         line).group(1).split()),
+                 id="resume-weights-only-fine-tune-them"),
+    pytest.param(["-e", "--resume", "auto"], "no checkpoint in",
+                 lambda argv, line: _replace(argv, "--resume", re.search(r"give -e (--resume) PATH", line).group(1)
+                                             .split() + ["{best}"]),
+                 id="evaluate-auto-without-checkpoint"),
+    pytest.param(["--pretrained-backbone", "{best}"], "holds a whole DeepLab model",
+                 lambda argv, line: _replace(argv, "--pretrained-backbone", re.search(r"with (--weights \S+)", line)
+                                             .group(1).split()),
+                 id="whole-model-as-backbone"),
+    pytest.param(["--output-dir", "{data}/out"], "which this command reads",
+                 lambda argv, line: "choose a folder outside it" in line and _replace(argv, "--output-dir",
+                                                                                       ["--output-dir", "{fresh}/out"]),
+                 id="output-inside-data"),
 ]
 
 
@@ -1244,40 +1277,41 @@ def test_a_master_port_taken_by_another_program_is_named(tiny_data, tmp_path, mo
     assert f"MASTER_PORT {port} is taken on this machine by another program (another run?): give another" in line, line
 
 
-@pytest.fixture
-def bare_weights(trained, tmp_path):
-    """A DeepLab's weights alone, as torch.save(model.state_dict()) writes them."""
-    path = str(tmp_path / "bare.pth")
-    torch.save(torch.load(os.path.join(trained, "best.pth"), weights_only=True)["model"], path)
-    return path
+@pytest.fixture(scope="module")
+def advice_files(trained, tmp_path_factory):
+    """The files the advice cases name (a trained run's best.pth, its weights alone, torchvision's DeepLab), written
+    once for all of them: no case writes to them."""
+    folder = tmp_path_factory.mktemp("advice")
+    bare = str(folder / "bare.pth")  # a DeepLab's weights alone, as torch.save(model.state_dict()) writes them
+    torch.save(torch.load(os.path.join(trained, "best.pth"), weights_only=True)["model"], bare)
+    vision = str(folder / "torchvision.pth")
+    torch.save({"backbone.0.0.weight": torch.zeros(1), "classifier.0.convs.0.0.weight": torch.zeros(1)}, vision)
+    return {"best": os.path.join(trained, "best.pth"), "bare": bare, "vision": vision}
 
 
-def test_each_piece_of_advice_followed_as_written_ends_that_mistake(tiny_data, trained, bare_weights, tmp_path,
-                                                                    capsys):
+@pytest.mark.parametrize("extra, words, follow", ADVICE)
+def test_each_piece_of_advice_followed_as_written_ends_that_mistake(extra, words, follow, tiny_data, advice_files,
+                                                                    tmp_path, capsys):
     """Each mistake's line gives advice; the command it advises (made from the line's own words) gets past it: the
     preflight (--check-only, which writes nothing) then passes, or meets another mistake, never the same one."""
-    vision = str(tmp_path / "torchvision.pth")
-    torch.save({"backbone.0.0.weight": torch.zeros(1), "classifier.0.convs.0.0.weight": torch.zeros(1)}, vision)
-    names = {"best": os.path.join(trained, "best.pth"), "bare": bare_weights, "data": tiny_data,
-             "fresh": str(tmp_path), "vision": vision}
-    common = ["--data", tiny_data, "--output-dir", str(tmp_path / "{}"), *TRAIN_ARGS, "--epochs", "1"]
-    for number, (extra, words, follow) in enumerate(ADVICE):
-        argv = [word.format(**names) for word in common[:3] + [common[3].format(number)] + common[4:]
-                + (["--check-only", "1"] if "--check-only" not in extra else []) + extra if word != "{no --model}"]
-        if "{no --model}" in extra:
-            argv = _replace(argv, "--model", [])
-        line = _main_fails(argv, capsys)
-        assert words in line, (extra, line)
-        advised = follow(argv, line)
-        assert advised, (extra, line)
-        try:
-            main.main(main.get_args_parser().parse_args([word.format(**names) for word in advised]))
-            assert "error" not in capsys.readouterr().err, (extra, line, advised)
-        except SystemExit as stop:
-            if stop.code == errors.NOTHING_TO_TRAIN:  # past the mistake: the checks passed, and the run had finished
-                assert "nothing to train" in capsys.readouterr().out, (extra, line, advised)
-            else:
-                assert words not in _one_error_line(capsys), (extra, line, advised)
+    names = {**advice_files, "data": tiny_data, "fresh": str(tmp_path)}
+    common = ["--data", tiny_data, "--output-dir", str(tmp_path / "run"), *TRAIN_ARGS, "--epochs", "1"]
+    argv = [word.format(**names) for word in common + (["--check-only", "1"] if "--check-only" not in extra else [])
+            + extra if word != "{no --model}"]
+    if "{no --model}" in extra:
+        argv = _replace(argv, "--model", [])
+    line = _main_fails(argv, capsys)
+    assert words in line, (extra, line)
+    advised = follow(argv, line)
+    assert advised, (extra, line)
+    try:
+        main.main(main.get_args_parser().parse_args([word.format(**names) for word in advised]))
+        assert "error" not in capsys.readouterr().err, (extra, line, advised)
+    except SystemExit as stop:
+        if stop.code == errors.NOTHING_TO_TRAIN:  # past the mistake: the checks passed, and the run had finished
+            assert "nothing to train" in capsys.readouterr().out, (extra, line, advised)
+        else:
+            assert words not in _one_error_line(capsys), (extra, line, advised)
 
 
 # --- a checkpoint of another version: checked whole, before any of it is used ---------------------------------------
