@@ -1,4 +1,6 @@
 import contextlib
+import fcntl
+import itertools
 import multiprocessing
 import os
 import re
@@ -49,18 +51,29 @@ def path_without_python(path, links):
     return os.pathsep.join(folders)
 
 
-SAVED_ENVIRON = pytest.StashKey[tuple]()  # the folder of links, and PATH and PYTHON as they were
+SAVED_ENVIRON = pytest.StashKey[tuple]()  # the folder of links, and PATH, PYTHON and PYTHONPATH as they were
+INTERPRETERS = os.path.join(ROOT, "tests", "interpreters")  # its sitecustomize.py: every Python the tests start
 
 
 def pytest_configure(config):
     """Every program a test starts runs on the Python that runs pytest: sys.executable in the command, run.sh's
     steps through PYTHON. With the Python of a virtual environment not activated, `python` on PATH is another one,
     without torch; here PATH holds none, so that a command that reaches for it fails in every test that runs it.
-    Set before the test modules are imported: their environments (CPU_ENV) are copies of os.environ."""
+    Each of them skips the garbage collections at its exit (tests/interpreters/sitecustomize.py). Set before the
+    test modules are imported: their environments (CPU_ENV) are copies of os.environ."""
     links = tempfile.mkdtemp(prefix="deeplab-tests-path-")
-    config.stash[SAVED_ENVIRON] = links, {name: os.environ.get(name) for name in ("PATH", "PYTHON")}
+    config.stash[SAVED_ENVIRON] = links, {name: os.environ.get(name) for name in ("PATH", "PYTHON", "PYTHONPATH")}
     os.environ["PATH"] = path_without_python(os.environ.get("PATH", ""), links)
     os.environ["PYTHON"] = sys.executable
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [INTERPRETERS, os.environ.get("PYTHONPATH")]))
+
+
+def pytest_collection_modifyitems(config, items):
+    """The tests that launch programs first, the longest of the suite: two workers then end together, instead of one
+    finishing a launch of a minute while the other waits with nothing left (each worker takes the next test as it
+    ends one). In each group, the files' order. (A module fixture that serves tests of both groups is made once for
+    each: test_predict's checkpoint, a torch.save.)"""
+    items.sort(key=lambda item: item.get_closest_marker("launch") is None)
 
 
 def pytest_unconfigure(config):
@@ -115,18 +128,47 @@ def no_process_left_behind(tmp_path):
             pass
 
 
+def built_once(tmp_path_factory, name, build):
+    """A session fixture's folder, built once for the whole run: by the first of pytest-xdist's workers to ask (they
+    share the parent of their temporary folders), while the others wait on a lock; then read by all. build(folder)
+    makes it; a build that failed or was killed half-way is done again by the next to ask. -> the folder."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    shared = tmp_path_factory.getbasetemp().parent if worker else tmp_path_factory.getbasetemp()
+    folder, done = shared / name, shared / f"{name}.built"
+    with open(shared / f"{name}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # let go when the file closes
+        if not done.exists():
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir()
+            build(str(folder))
+            done.touch()
+    return str(folder)
+
+
 @pytest.fixture(scope="session")
 def tiny_data(tmp_path_factory):
     """8 train and 5 val images (5: divisible by neither 2 nor 3), in the official layout."""
-    root = str(tmp_path_factory.mktemp("cityscapes"))
-    write_synthetic(root, num_train=8, num_val=5, size=(64, 32), seed=3)
-    return root
+    return built_once(tmp_path_factory, "cityscapes", lambda root: write_synthetic(root, num_train=8, num_val=5,
+                                                                                    size=(64, 32), seed=3))
+
+
+PORTS = itertools.count()  # this worker's ports handed out so far
 
 
 def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port for a program a test starts, free now: from a range of this pytest-xdist worker's own (gw0, gw1, ...),
+    below Linux's ephemeral ports (from 32768, which the kernel gives out for port 0), so that neither the other
+    worker nor the kernel gives it out before the program binds it. (Port 0's answer, let go at once, was such a
+    race: both workers could be given the same port.)"""
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:])
+    while True:
+        port = 20000 + 1000 * (worker % 12) + next(PORTS) % 1000
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:  # in use (another program, or a run of the suite beside this one)
+                continue
+            return port
 
 
 def run(command, env=None, timeout=240, cwd=ROOT):
@@ -145,9 +187,8 @@ SLOW_ARGS = [a if a != "32" else "192" for a in TRAIN_ARGS]
 @pytest.fixture(scope="session")
 def data24(tmp_path_factory):
     """24 train images: 6 steps an epoch with 2 processes of 2 images."""
-    root = str(tmp_path_factory.mktemp("data24"))
-    write_synthetic(root, num_train=24, num_val=3, size=(64, 32), seed=4)
-    return root
+    return built_once(tmp_path_factory, "data24", lambda root: write_synthetic(root, num_train=24, num_val=3,
+                                                                                size=(64, 32), seed=4))
 
 
 class ForkedRank(NamedTuple):
@@ -265,26 +306,22 @@ def straight(data24, tmp_path_factory):
     """The reference: 2 epochs, 2 processes on one node, without interruption. Forked ranks on the arguments
     run.sh gives its workers (its -b and --accum-steps first, ours after): the tests that compare against it
     launch run.sh themselves."""
-    out = str(tmp_path_factory.mktemp("straight"))
-    finish_ranks(fork_ranks(run_sh_workers_line(data24, out, "--epochs", "2", *SLOW_ARGS),
-                            str(tmp_path_factory.mktemp("straight_logs"))))
-    return out
+    logs = str(tmp_path_factory.mktemp("straight_logs"))
+    return built_once(tmp_path_factory, "straight", lambda out: finish_ranks(fork_ranks(
+        run_sh_workers_line(data24, out, "--epochs", "2", *SLOW_ARGS), logs)))
 
 
 @pytest.fixture(scope="session")
 def trained(tiny_data, tmp_path_factory):
     """A real run's output folder: one epoch on tiny_data, in-process, one process (Cityscapes' 19 classes)."""
     import main
-    out = str(tmp_path_factory.mktemp("trained"))
-    main.main(main.get_args_parser().parse_args(["--data", tiny_data, "--output-dir", out, "--epochs", "1",
-                                                 *TRAIN_ARGS]))
-    return out
+    return built_once(tmp_path_factory, "trained", lambda out: main.main(main.get_args_parser().parse_args([
+        "--data", tiny_data, "--output-dir", out, "--epochs", "1", *TRAIN_ARGS])))
 
 
 @pytest.fixture(scope="session")
 def folder_data(tmp_path_factory):
     """Your own data as synthetic.py --layout folder writes it: 8 train and 5 val JPEGs, palette masks, and
     classes.json with Cityscapes' 7 categories as the classes."""
-    root = str(tmp_path_factory.mktemp("own_data"))
-    write_synthetic(root, num_train=8, num_val=5, size=(64, 32), seed=3, layout="folder")
-    return root
+    return built_once(tmp_path_factory, "own_data", lambda root: write_synthetic(
+        root, num_train=8, num_val=5, size=(64, 32), seed=3, layout="folder"))
