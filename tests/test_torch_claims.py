@@ -20,19 +20,28 @@ from torch.utils.data.distributed import DistributedSampler
 from conftest import ROOT
 
 # --- the launchers: what a process is given -----------------------------------------------------------------------
-RECORDER = """import json, os, sys, time
+RECORDER = """import json, os, signal, sys, time
 count, local_rank = os.environ.get("TORCHELASTIC_RESTART_COUNT"), os.environ.get("LOCAL_RANK")
-with open(os.path.join(os.environ["RECORD_TO"], f".rank{local_rank}"), "w") as f:
+record_to = os.environ["RECORD_TO"]
+if count == "0" and local_rank == "0":  # the first attempt's healthy rank: says so if the launcher stops it
+    def stopped(number, frame):
+        open(os.path.join(record_to, "stopped0-rank0"), "w").close()
+        sys.exit(0)
+    signal.signal(signal.SIGTERM, stopped)
+with open(os.path.join(record_to, f".rank{local_rank}"), "w") as f:
     json.dump({"argv": sys.argv[1:], "LOCAL_RANK": local_rank, "restarts": count, "RANK": os.environ.get("RANK"),
                "WORLD_SIZE": os.environ.get("WORLD_SIZE"),
                "LOCAL_WORLD_SIZE": os.environ.get("LOCAL_WORLD_SIZE")}, f)
-os.replace(f.name, os.path.join(os.environ["RECORD_TO"], f"attempt{count}-rank{local_rank}.json"))  # whole or absent
+os.replace(f.name, os.path.join(record_to, f"attempt{count}-rank{local_rank}.json"))  # whole or absent
 # Both ranks record before either ends: the launcher stops the other rank as soon as one fails.
 for _ in range(600):
-    if len([name for name in os.listdir(os.environ["RECORD_TO"]) if name.startswith(f"attempt{count}-")]) == 2:
+    if len([name for name in os.listdir(record_to) if name.startswith(f"attempt{count}-")]) == 2:
         break
     time.sleep(0.05)
-sys.exit(1 if count == "0" else 0)  # the first attempt fails: does the launcher start it again?
+if count == "0" and local_rank == "1":
+    sys.exit(1)  # the first attempt's rank 1 fails: does the launcher start both ranks again?
+if count == "0":
+    time.sleep(60)  # rank 0 still at work, healthy, when rank 1 fails
 """
 
 
@@ -40,7 +49,8 @@ sys.exit(1 if count == "0" else 0)  # the first attempt fails: does the launcher
 def launched(tmp_path_factory):
     """One torchrun (a restart allowed) and one torch.distributed.launch, side by side, each starting two processes
     of a script that records its arguments and environment (two, so that a rank's own values differ from the
-    other's). -> {launcher: [what each attempt's rank 0 and rank 1 recorded, in that order]}."""
+    other's). -> {launcher: [what each attempt's rank 0 and rank 1 recorded, in that order]}, with "said" (each
+    launcher's output) and "stopped" (for each, the first attempt's healthy ranks that it stopped)."""
     folder = tmp_path_factory.mktemp("launched")
     script = folder / "record.py"
     script.write_text(RECORDER)
@@ -54,33 +64,72 @@ def launched(tmp_path_factory):
                                                                      "RECORD_TO": str(out)})
     said = {name: process.communicate(timeout=120)[0] for name, process in runs.items()}
     return {name: [json.loads(path.read_text()) for path in sorted((folder / name).glob("attempt*.json"))]
-            for name in runs} | {"said": said}
+            for name in runs} | {"said": said, "stopped": {name: sorted(path.name for path in
+                                                                   (folder / name).glob("stopped*"))
+                                                       for name in runs}}
 
 
+@pytest.mark.launch
 def test_torchrun_sets_local_rank_in_the_environment_and_passes_no_argument(launched):
     ranks = launched["torchrun"][:2]
     assert [rank["LOCAL_RANK"] for rank in ranks] == ["0", "1"]
     assert all(rank["argv"] == ["--mine"] for rank in ranks)  # the script's own arguments, no more
 
 
+@pytest.mark.launch
 def test_the_launchers_set_rank_and_world_size(launched):
     assert all([(rank["RANK"], rank["WORLD_SIZE"]) for rank in records[:2]] == [("0", "2"), ("1", "2")]
                for records in (launched["torchrun"], launched["launch"]))
 
 
-def test_the_launchers_set_local_world_size_to_the_processes_they_start_on_their_machine(launched):
-    # main.default_workers divides the cores by it. (Per machine rather than in all: the agent sets it from
-    # its own --nproc_per_node, local_elastic_agent.py; one machine here cannot tell the two apart.)
+@pytest.mark.launch
+def test_the_launchers_set_local_world_size_to_the_processes_they_start_on_their_machine(launched, monkeypatch):
+    """main.default_workers divides the cores by it. On one machine the launches give 2, as WORLD_SIZE; torchrun's
+    agent (torch.distributed.launch runs the same one) on two machines of 2 and 1 processes tells the two apart:
+    two agents in threads, each its own --node-rank of torchrun's static rendezvous, which finds a shared store in
+    place of the TCPStore it would open, and the processes they would start recorded instead of started."""
     assert all(rank["LOCAL_WORLD_SIZE"] == "2" for records in (launched["torchrun"], launched["launch"])
                for rank in records)
+    import threading
+    from torch.distributed.elastic.agent.server import WorkerSpec, local_elastic_agent
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+    from torch.distributed.elastic.rendezvous.static_tcp_rendezvous import StaticTCPRendezvous
+    given = {}
+
+    def record(name, entrypoint, args, envs, **more):
+        given.update({env["RANK"]: (env["LOCAL_WORLD_SIZE"], env["WORLD_SIZE"]) for env in envs.values()})
+        return type("Started", (), {"pids": lambda self: {}})()  # all the agent asks here of what it started
+    monkeypatch.setattr(local_elastic_agent, "start_processes", record)
+    store, failed = dist.HashStore(), []
+
+    def agent(node, processes):
+        try:
+            rendezvous = StaticTCPRendezvous("127.0.0.1", 29500, node, 2, "two-machines", timeout=60)
+            rendezvous._store = store
+            spec = WorkerSpec(role="trainer", local_world_size=processes, rdzv_handler=rendezvous,
+                              entrypoint="train.py", max_restarts=0)
+            launcher = local_elastic_agent.LocalElasticAgent(spec, DefaultLogsSpecs())
+            launcher._initialize_workers(launcher._worker_group)  # the rendezvous, the ranks, the environments
+        except BaseException as error:
+            failed.append(error)
+    threads = [threading.Thread(target=agent, args=machine, daemon=True) for machine in ((0, 2), (1, 1))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert not failed and given == {"0": ("2", "3"), "1": ("2", "3"), "2": ("1", "3")}
 
 
+@pytest.mark.launch
 def test_torchrun_restarts_every_worker_after_a_failure_and_counts_the_restarts(launched):
-    # Both ranks fail in the first attempt (any exit status but 0), and both are started again.
+    # Rank 1 fails in the first attempt (any exit status but 0) while rank 0 is at work: torchrun stops the healthy
+    # rank 0 (SIGTERM) and starts both again, TORCHELASTIC_RESTART_COUNT 1.
     assert [(rank["restarts"], rank["LOCAL_RANK"]) for rank in launched["torchrun"]] == [
         ("0", "0"), ("0", "1"), ("1", "0"), ("1", "1")]
+    assert launched["stopped"]["torchrun"] == ["stopped0-rank0"]
 
 
+@pytest.mark.launch
 def test_torch_distributed_launch_passes_local_rank_with_a_dash(launched):
     ranks = launched["launch"][:2]
     assert [rank["argv"] for rank in ranks] == [["--local-rank=0", "--mine"], ["--local-rank=1", "--mine"]]
@@ -89,10 +138,25 @@ def test_torch_distributed_launch_passes_local_rank_with_a_dash(launched):
 
 
 # --- process groups, samplers, loaders ----------------------------------------------------------------------------
-def test_process_groups_time_out_after_30_minutes_with_gloo_and_10_with_nccl_by_default():
-    from torch.distributed import constants
-    assert constants.default_pg_timeout == timedelta(minutes=30)
-    assert constants.default_pg_nccl_timeout in (timedelta(minutes=10), None)  # None: a build without NCCL
+def test_process_groups_time_out_after_30_minutes_with_gloo_and_10_with_nccl_by_default(ddp_seen, monkeypatch):
+    """gloo: the timeout the forked ranks' group holds, made without one. NCCL: the one init_process_group chooses
+    for it, stopped just after the choice (a NCCL group needs a GPU: it would be refused here)."""
+    assert ddp_seen["gloo_group_timeout_s"] == 30 * 60
+    from torch.distributed import distributed_c10d
+    chooser, chosen = distributed_c10d._get_default_timeout, []
+
+    class Chosen(Exception):
+        pass
+
+    def choosing(backend):
+        chosen.append((str(backend), chooser(backend)))
+        raise Chosen
+    monkeypatch.setattr(distributed_c10d, "_get_default_timeout", choosing)
+    with pytest.raises(Chosen):
+        dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
+    assert not dist.is_initialized()
+    if dist.is_nccl_available():  # a torch built without NCCL gives it the others' 30 minutes, and a warning
+        assert chosen == [("nccl", timedelta(minutes=10))]
 
 
 def test_distributed_sampler_pads_every_share_to_one_length_by_repeating_indices():
@@ -150,8 +214,8 @@ class _FourLayers(torch.nn.Module):
 def _ddp_claims(rank, world_size, tmp):
     """Each claim's observation on this rank, recorded for rank 0's file."""
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=world_size)
-    seen = {}
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=world_size)  # no timeout
+    seen = {"gloo_group_timeout_s": dist.group.WORLD._get_backend(torch.device("cpu")).options._timeout.total_seconds()}
     torch.manual_seed(rank)  # different weights on each rank before DDP
     model = _TwoBatchNorms()
     ddp = DDP(model)
@@ -183,17 +247,44 @@ def _ddp_claims(rank, world_size, tmp):
     seen["eval_forward_after_training_broadcasts"] = broadcasts(lambda: ddp(x))
     model.train()
 
-    # SyncBatchNorm under no_sync: DDP (made with a BatchNorm: it refuses SyncBatchNorm on the CPU) given a
-    # SyncBatchNorm afterwards. Its forward decides to gather the batch statistics over the group inside no_sync
-    # as well, and then refuses the CPU tensor it would gather: on a GPU it would communicate.
+    # SyncBatchNorm under DDP, no_sync or not: DDP (made with a BatchNorm: it refuses SyncBatchNorm on the CPU) given a
+    # SyncBatchNorm afterwards. On the CPU its forward decides to gather the batch statistics over the group, then
+    # refuses the CPU tensor. Let through (its device check, which also takes the PrivateUse1 device, told that
+    # device's name is "cpu"; the GPU-only kernel batch_norm_stats done here in Python), torch's own autograd function
+    # gathers them with the group's real all_gather, counted, then stops at the next GPU-only kernel.
     holder = DDP(torch.nn.Sequential(torch.nn.BatchNorm2d(2)))
     holder.module[0] = torch.nn.SyncBatchNorm(2)
+    images = torch.randn(2 + rank, 2, 3, 3)  # each rank its own count of values per channel: 18 and 27
     with holder.no_sync():
         try:
-            holder(torch.randn(2, 2, 3, 3))
-            seen["sync_batchnorm_gathers_under_no_sync"] = "did not gather"
+            holder(images)
+            seen["sync_batchnorm_refuses_the_cpu_under_no_sync"] = "did not refuse"
         except ValueError as error:
-            seen["sync_batchnorm_gathers_under_no_sync"] = str(error)
+            seen["sync_batchnorm_refuses_the_cpu_under_no_sync"] = str(error)
+    device_name, batch_norm_stats, all_gather = (
+        torch._C._get_privateuse1_backend_name, torch.batch_norm_stats, dist.all_gather)
+    gathered = []
+
+    def counting_all_gather(outputs, tensor, *args, **kwargs):
+        done = all_gather(outputs, tensor, *args, **kwargs)
+        gathered.append([output[-1].item() for output in outputs])  # each rank's count, the last of 2C + 1
+        return done
+    torch._C._get_privateuse1_backend_name = lambda: "cpu"
+    torch.batch_norm_stats = lambda x, eps: (x.mean((0, 2, 3)), (x.var((0, 2, 3), unbiased=False) + eps).rsqrt())
+    dist.all_gather = counting_all_gather
+    try:
+        for case in ("no_sync", "training", "eval"):
+            gathered.clear()
+            holder.train(case != "eval")
+            with holder.no_sync() if case == "no_sync" else contextlib.nullcontext():
+                try:
+                    holder(images)
+                except NotImplementedError:  # after the gather: batch_norm_gather_stats_with_counts is GPU-only
+                    pass
+            seen[f"sync_batchnorm_gathers_{case}"] = list(gathered)
+    finally:
+        torch._C._get_privateuse1_backend_name, torch.batch_norm_stats, dist.all_gather = (
+            device_name, batch_norm_stats, all_gather)
 
     # no_sync: the gradient stays this rank's own until a backward outside it all-reduces the sum.
     torch.manual_seed(0)
@@ -298,7 +389,10 @@ def _ddp_claims(rank, world_size, tmp):
     from torch import _dynamo as dynamo
     inputs = torch.randn(2, 512) + rank  # each rank its own: the eager DDP's gradient is their average
     gradients = {}
-    for name in ("default", "without_ddp_optimizer", "eager"):
+    # "default": the config as torch ships it (optimize_ddp = True in torch/_dynamo/config.py); the others forced.
+    forced = {"default": {}, "with_ddp_optimizer": {"optimize_ddp": True},
+              "without_ddp_optimizer": {"optimize_ddp": False}, "eager": {}}
+    for name, config in forced.items():
         dynamo.reset()
         torch.manual_seed(0)
         layered = DDP(_FourLayers(), bucket_cap_mb=1)
@@ -307,7 +401,7 @@ def _ddp_claims(rank, world_size, tmp):
         def counting(graph, example_inputs):
             graphs.append(graph)
             return graph.forward
-        with dynamo.config.patch(optimize_ddp=name != "without_ddp_optimizer"):
+        with dynamo.config.patch(**config):
             (layered if name == "eager" else torch.compile(layered, backend=counting))(inputs).sum().backward()
         seen[f"compiled_graphs_{name}"] = len(graphs)
         gradients[name] = [p.grad.clone() for p in layered.parameters()]
@@ -348,9 +442,15 @@ def test_ddp_broadcasts_buffers_at_any_forward_after_a_training_one_in_eval_mode
 
 
 def test_sync_batchnorm_gathers_its_statistics_in_every_training_forward_no_sync_or_not(ddp_seen):
-    # With --accum-steps N, each micro-batch's forward communicates, and normalises over -b x processes images.
-    refusal = ddp_seen["sync_batchnorm_gathers_under_no_sync"]
+    """With --accum-steps N, each micro-batch's forward communicates, and normalises over -b x processes images. On
+    the CPU SyncBatchNorm refuses its input once it has decided to gather (under no_sync too); let through (_ddp_claims
+    says how), one all_gather in each training forward brings each rank's count of values per channel, 18 and 27,
+    under no_sync as outside it, and none in eval mode. The gathered statistics' use needs a GPU."""
+    refusal = ddp_seen["sync_batchnorm_refuses_the_cpu_under_no_sync"]
     assert refusal.startswith("SyncBatchNorm expected input tensor to be on GPU")
+    assert ddp_seen["sync_batchnorm_gathers_no_sync"] == [[18.0, 27.0]]
+    assert ddp_seen["sync_batchnorm_gathers_training"] == [[18.0, 27.0]]
+    assert ddp_seen["sync_batchnorm_gathers_eval"] == []
 
 
 def test_accumulation_gives_the_whole_batchs_gradient_except_through_batchnorm():
@@ -566,14 +666,30 @@ def test_torch_load_puts_each_tensor_back_on_the_device_it_was_saved_from_unless
             torch.load(path, weights_only=True)
 
 
-def test_torch_load_does_not_notice_bytes_changed_inside_a_tensor(tmp_path):
+def test_torch_load_does_not_notice_bytes_changed_in_the_pickle_or_inside_a_tensor(tmp_path):
+    """Each changed record fails its CRC-32 (zipfile's testzip names it: what checkpoints.verify checks), and torch.load
+    reads it without an error: the pickle's key renamed, the tensor's zeros become ones."""
+    import struct
+    import zipfile
     path = tmp_path / "c.pth"
     torch.save({"w": torch.zeros(100_000)}, path)
-    data = bytearray(path.read_bytes())
-    at = data.index(b"\x00" * 4096, 2048)  # inside the tensor's zeros
-    data[at:at + 4096] = b"\x01" * 4096
-    path.write_bytes(bytes(data))
-    assert torch.load(path, weights_only=True)["w"].abs().sum() > 0  # no error: checkpoints.verify checks the CRC-32s
+    saved = path.read_bytes()
+    with zipfile.ZipFile(path) as archive:
+        records = {info.filename.split("/", 1)[1]: info for info in archive.infolist()}
+    changes = {"data.pkl": (b"X\x01\x00\x00\x00w", b"X\x01\x00\x00\x00v"),  # the key "w", pickled, becomes "v"
+               "data/0": (b"\x00" * 4096, b"\x01" * 4096)}  # 4 KiB inside the tensor's zeros
+    loaded = {}
+    for record, (old, new) in changes.items():
+        info = records[record]  # its bytes follow its local header: 30 bytes, then its name and its extra field
+        name_length, extra_length = struct.unpack_from("<HH", saved, info.header_offset + 26)
+        start = info.header_offset + 30 + name_length + extra_length
+        at = saved.index(old, start, start + info.compress_size)
+        path.write_bytes(saved[:at] + new + saved[at + len(old):])
+        with zipfile.ZipFile(path) as archive:
+            assert archive.testzip() == info.filename
+        loaded[record] = torch.load(path, weights_only=True)
+    assert list(loaded["data.pkl"]) == ["v"] and not loaded["data.pkl"]["v"].any()
+    assert list(loaded["data/0"]) == ["w"] and loaded["data/0"]["w"].abs().sum() > 0
 
 
 def test_torch_save_writes_a_crc_32_for_each_record_and_one_attribute_bit_escapes_it(tmp_path):
@@ -632,13 +748,15 @@ def test_a_dataloader_worker_ends_quietly_on_its_parents_sigterm_and_dies_of_any
 
 
 def test_torch_compile_splits_a_ddp_models_graph_at_its_buckets_by_default(ddp_seen):
-    """Four layers in four DDP buckets make four graphs by default, one without the DDPOptimizer: the split is the
-    DDPOptimizer's, at the buckets, not a graph break. Each graph is then a backward of its own, and a bucket's
-    all-reduce starts when its graph's backward ends, before the graphs earlier in the model have run theirs; in one
-    graph every gradient would be ready only at its end (the DDPOptimizer's note in torch/_dynamo/backends/
-    distributed.py; seen with the aot_eager backend, whose imports cost seconds more than this test). And the
-    compiled DDP model's gradients are the eager DDP's, averaged over the ranks."""
-    assert ddp_seen["compiled_graphs_default"] == 4 and ddp_seen["compiled_graphs_without_ddp_optimizer"] == 1
+    """Four layers in four DDP buckets make four graphs by default (torch's config as it ships, not patched), as with
+    the DDPOptimizer forced on, and one with it forced off: the split is the DDPOptimizer's, at the buckets, not a
+    graph break. Each graph is then a backward of its own, and a bucket's all-reduce starts when its graph's backward
+    ends, before the graphs earlier in the model have run theirs; in one graph every gradient would be ready only at
+    its end (the DDPOptimizer's note in torch/_dynamo/backends/distributed.py; seen with the aot_eager backend, whose
+    imports cost seconds more than this test). And the compiled DDP model's gradients are the eager DDP's, averaged
+    over the ranks."""
+    assert ddp_seen["compiled_graphs_default"] == ddp_seen["compiled_graphs_with_ddp_optimizer"] == 4
+    assert ddp_seen["compiled_graphs_without_ddp_optimizer"] == 1
     assert ddp_seen["compiled_graphs_eager"] == 0 and ddp_seen["compiled_gradients_equal_eager"]
 
 
