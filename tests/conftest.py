@@ -1,5 +1,7 @@
 import contextlib
+import errno
 import fcntl
+import hashlib
 import itertools
 import multiprocessing
 import os
@@ -169,6 +171,67 @@ def free_port():
             except OSError:  # in use (another program, or a run of the suite beside this one)
                 continue
             return port
+
+
+def fingerprint(folder):
+    """{path relative to folder: sha1} of every file under folder: what a test compares before and after."""
+    found = {}
+    for place, _, names in os.walk(folder):
+        for name in names:
+            with open(os.path.join(place, name), "rb") as f:
+                found[os.path.relpath(os.path.join(place, name), folder)] = hashlib.sha1(f.read()).hexdigest()
+    return found
+
+
+def no_space(*args, **kwargs):
+    """A write that a full disk refuses, to monkeypatch in place of one."""
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+@pytest.fixture
+def on_the_cpu(monkeypatch):
+    """The CPU's rules, also on a GPU machine (pytestmark = pytest.mark.usefixtures("on_the_cpu"))."""
+    import torch
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+
+def one_error_line(capsys, prefix="main.py: error: "):
+    """What the test printed holds one error line, starting with prefix, and no traceback. -> that line."""
+    captured = capsys.readouterr()
+    output = captured.out + captured.err
+    assert "Traceback" not in output, output
+    errors = [line for line in output.splitlines() if "error:" in line]
+    assert len(errors) == 1 and errors[0].startswith(prefix), output
+    return errors[0]
+
+
+def main_fails(argv, capsys, code=1):
+    """main.main() on argv, in this process, ends with exit code `code` and one error line. -> that line."""
+    import main
+    with pytest.raises(SystemExit) as exit_info:
+        main.main(main.get_args_parser().parse_args(argv))
+    assert exit_info.value.code == code
+    return one_error_line(capsys)
+
+
+def varied_model(seed=0):
+    """The tests' tiny DeepLab with random weights, made to predict many classes: random weights alone give
+    logits whose mean differs far more from class to class than from pixel to pixel (one class everywhere),
+    so the classifier's bias takes each class's mean logit away."""
+    import torch
+    from models import build_model
+    torch.manual_seed(seed)
+    model = build_model(TRAIN_ARGS[1], 19, 16)
+    for module in model.modules():
+        if isinstance(module, torch.nn.BatchNorm2d):
+            module.running_mean.normal_(0, 0.1)
+            module.running_var.uniform_(0.5, 2.0)
+            module.weight.data.uniform_(0.5, 1.5)
+            module.bias.data.normal_(0, 0.5)
+    model.eval()
+    with torch.no_grad():
+        model.classifier.bias -= model(torch.rand(1, 3, 32, 64) * 4 - 2).mean((0, 2, 3))
+    return model
 
 
 def run(command, env=None, timeout=240, cwd=ROOT):

@@ -7,31 +7,12 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from conftest import TRAIN_ARGS
+from conftest import TRAIN_ARGS, varied_model
 from harness import errors, inference
 import main
 from dataset import NUM_CLASSES, Cityscapes
-from models import build_model
 
 PY = sys.executable
-
-
-def varied_model(seed=0):
-    """The tests' tiny DeepLab with random weights, made to predict many classes: random weights alone give
-    logits whose mean differs far more from class to class than from pixel to pixel (one class everywhere),
-    so the classifier's bias takes each class's mean logit away."""
-    torch.manual_seed(seed)
-    model = build_model(TRAIN_ARGS[1], 19, 16)
-    for module in model.modules():
-        if isinstance(module, torch.nn.BatchNorm2d):
-            module.running_mean.normal_(0, 0.1)
-            module.running_var.uniform_(0.5, 2.0)
-            module.weight.data.uniform_(0.5, 1.5)
-            module.bias.data.normal_(0, 0.5)
-    model.eval()
-    with torch.no_grad():
-        model.classifier.bias -= model(torch.rand(1, 3, 32, 64) * 4 - 2).mean((0, 2, 3))
-    return model
 
 
 def args_of(argv):

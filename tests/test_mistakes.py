@@ -15,18 +15,7 @@ import torch
 
 import main
 from harness import checkpoints, errors, job, paths, stops
-from conftest import ROOT, TRAIN_ARGS
-
-
-def _snapshot(folder):
-    """{relative path: sha1} of every file under folder."""
-    files = {}
-    for directory, _, names in os.walk(folder):
-        for name in names:
-            path = os.path.join(directory, name)
-            with open(path, "rb") as f:
-                files[os.path.relpath(path, folder)] = hashlib.sha1(f.read()).hexdigest()
-    return files
+from conftest import ROOT, TRAIN_ARGS, fingerprint, main_fails, no_space, one_error_line
 
 
 @pytest.fixture
@@ -39,26 +28,7 @@ def previous_run(tmp_path):
     return str(out)
 
 
-def _one_error_line(capsys, prefix="main.py: error: "):
-    captured = capsys.readouterr()
-    output = captured.out + captured.err
-    assert "Traceback" not in output, output
-    errors = [line for line in output.splitlines() if "error:" in line]
-    assert len(errors) == 1 and errors[0].startswith(prefix), output
-    return errors[0]
-
-
-def _main_fails(argv, capsys, code=1):
-    """main.main() on argv ends with exit code `code` and one error line; -> that line."""
-    with pytest.raises(SystemExit) as exit_info:
-        main.main(main.get_args_parser().parse_args(argv))
-    assert exit_info.value.code == code
-    return _one_error_line(capsys)
-
-
-@pytest.fixture(autouse=True)
-def on_the_cpu(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the CPU's rules, also on a GPU machine
+pytestmark = pytest.mark.usefixtures("on_the_cpu")
 
 
 @pytest.mark.parametrize("argv, expect", [
@@ -93,15 +63,15 @@ def test_numbers_out_of_range_are_refused_before_any_work(argv, expect, tmp_path
         with pytest.raises(SystemExit) as exit_info:
             main.get_args_parser().parse_args(argv)
         assert exit_info.value.code == 2
-        line = _one_error_line(capsys)
+        line = one_error_line(capsys)
     else:  # parsed with plain types; checked first thing, in one line (harness/checks.py)
-        line = _main_fails(["--data", str(tmp_path / "data"), "--output-dir", str(tmp_path / "out"), *argv], capsys)
+        line = main_fails(["--data", str(tmp_path / "data"), "--output-dir", str(tmp_path / "out"), *argv], capsys)
         assert not os.path.exists(tmp_path / "out")
     assert expect in line, line
 
 
 def test_choices_that_cannot_work_here(tiny_data, tmp_path, previous_run, capsys):
-    before = _snapshot(previous_run)
+    before = fingerprint(previous_run)
     common = ["--data", tiny_data, "--output-dir", previous_run, *TRAIN_ARGS, "--check-only", "2", "--resume", "auto"]
     os.symlink(tmp_path / "nowhere", tmp_path / "gone")  # output folders that are links to nothing, or to themselves
     os.symlink(tmp_path / "loop", tmp_path / "loop")
@@ -121,33 +91,33 @@ def test_choices_that_cannot_work_here(tiny_data, tmp_path, previous_run, capsys
         (["--output-dir", str(tmp_path / "gone")], "gone is a symbolic link that leads nowhere or loops back to itself"),
         (["--output-dir", str(tmp_path / "loop" / "sub")], f"({tmp_path / 'loop'}, on its way) is a symbolic link"),
     ]:
-        line = _main_fails(common + extra, capsys)
+        line = main_fails(common + extra, capsys)
         assert expect in line, (extra, line)
-    assert _snapshot(previous_run) == before
+    assert fingerprint(previous_run) == before
 
 
 def test_a_previous_run_is_never_replaced_without_a_word(tiny_data, previous_run, capsys):
-    before = _snapshot(previous_run)
-    line = _main_fails(["--data", tiny_data, "--output-dir", previous_run, *TRAIN_ARGS, "--epochs", "1"], capsys)
+    before = fingerprint(previous_run)
+    line = main_fails(["--data", tiny_data, "--output-dir", previous_run, *TRAIN_ARGS, "--epochs", "1"], capsys)
     assert "holds another run" in line and "--resume auto" in line and "--overwrite" in line, line
-    assert _snapshot(previous_run) == before
-    line = _main_fails(["--data", tiny_data, "--output-dir", previous_run, *TRAIN_ARGS, "--resume", "auto"], capsys)
+    assert fingerprint(previous_run) == before
+    line = main_fails(["--data", tiny_data, "--output-dir", previous_run, *TRAIN_ARGS, "--resume", "auto"], capsys)
     assert "cannot be read" in line and "these files are kept" in line, line  # damaged, no fallback: stop
-    assert _snapshot(previous_run) == before
+    assert fingerprint(previous_run) == before
 
 
 def test_overwrite_moves_a_previous_run_aside_and_resume_auto_does_not_replace_it(tiny_data, previous_run, capsys):
     os.remove(os.path.join(previous_run, "checkpoint.pth"))  # best.pth and metrics.jsonl stay: a run all the same
-    before = _snapshot(previous_run)
+    before = fingerprint(previous_run)
     common = ["--data", tiny_data, "--output-dir", previous_run, *TRAIN_ARGS, "--epochs", "1", "--resume", "auto"]
-    line = _main_fails(common, capsys)
+    line = main_fails(common, capsys)
     assert "holds another run" in line and "no checkpoint to continue from" in line, line
-    assert _snapshot(previous_run) == before
+    assert fingerprint(previous_run) == before
     main.main(main.get_args_parser().parse_args(common + ["--overwrite"]))  # as ./run.sh --overwrite runs it
     said = capsys.readouterr().out
     [moved] = [os.path.join(previous_run, name) for name in os.listdir(previous_run) if name.startswith("replaced-")]
     assert "resuming" not in said and f"is now in {moved}" in said, said
-    assert _snapshot(moved) == before  # nothing deleted: the old run whole, pictures included, beside the new one
+    assert fingerprint(moved) == before  # nothing deleted: the old run whole, pictures included, beside the new one
     with open(os.path.join(previous_run, "metrics.jsonl")) as f:
         assert [line.startswith('{"epoch": 0') for line in f] == [True]  # the new run's lines only
     assert os.listdir(os.path.join(previous_run, "vis")) == ["epoch_000.png"]
@@ -167,7 +137,7 @@ def test_a_torn_metrics_line_is_dropped_on_resume(tmp_path):
 def test_checkpoints_that_cannot_resume_training(tiny_data, trained, tmp_path, capsys):
     out = str(tmp_path / "out")
     shutil.copytree(trained, out)
-    before = _snapshot(out)
+    before = fingerprint(out)
     common = ["--data", tiny_data, "--output-dir", out, *TRAIN_ARGS]
     # A requeued job that had already finished: nothing to do, and it says so (exit 0). run.sh's check (--check-only)
     # says it in the same words and exits 3, so that run.sh starts no worker to say it again (test_launch).
@@ -179,19 +149,19 @@ def test_checkpoints_that_cannot_resume_training(tiny_data, trained, tmp_path, c
                                                                "--check-only", "2"]))
     assert exit_info.value.code == errors.NOTHING_TO_TRAIN == 3  # run.sh reads 3
     assert capsys.readouterr().out == said.splitlines(keepends=True)[-1]  # the line main.py's train() says
-    assert _snapshot(out) == before
-    line = _main_fails(common + ["--epochs", "3", "--resume", os.path.join(out, "checkpoint.pth"), "--start-epoch",
+    assert fingerprint(out) == before
+    line = main_fails(common + ["--epochs", "3", "--resume", os.path.join(out, "checkpoint.pth"), "--start-epoch",
                                  "1"], capsys)
     assert "--start-epoch 1 with --resume" in line, line
     weights = str(tmp_path / "weights.pth")  # weights only, as torch.save(model.state_dict()) writes them
     torch.save(torch.load(os.path.join(out, "checkpoint.pth"), weights_only=True)["model"], weights)
-    line = _main_fails(common + ["--epochs", "3", "--resume", weights], capsys)
+    line = main_fails(common + ["--epochs", "3", "--resume", weights], capsys)
     assert "weights only" in line and "-e" in line, line
-    assert _snapshot(out) == before  # neither mistake touched the run
+    assert fingerprint(out) == before  # neither mistake touched the run
     main.main(main.get_args_parser().parse_args(common + ["-e", "--resume", weights]))  # enough for -e
     assert "mIoU" in capsys.readouterr().out
     empty = str(tmp_path / "empty")
-    line = _main_fails(["--data", tiny_data, "--output-dir", empty, *TRAIN_ARGS, "-e", "--resume", "auto"], capsys)
+    line = main_fails(["--data", tiny_data, "--output-dir", empty, *TRAIN_ARGS, "-e", "--resume", "auto"], capsys)
     assert "no checkpoint" in line, line  # not an evaluation of random weights
 
 
@@ -208,7 +178,7 @@ def test_a_full_disk_keeps_the_previous_checkpoint_and_no_half_file(tmp_path, mo
     path = str(tmp_path / "checkpoint.pth")
     main.save_checkpoint({"epoch": 1}, path)
     main.save_checkpoint({"epoch": 2}, path)
-    before = _snapshot(str(tmp_path))
+    before = fingerprint(str(tmp_path))
 
     for error in (OSError(28, "No space left on device"),  # torch.save's zip writer says it in its own words:
                   RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")):
@@ -223,7 +193,7 @@ def test_a_full_disk_keeps_the_previous_checkpoint_and_no_half_file(tmp_path, mo
             stops.ranks_vote_after_epoch()
         assert "(no space left on device; 0 MiB free there when it failed)" in str(raised.value), raised.value
         assert "checkpoint.pth is the last one written" in str(raised.value)
-        assert _snapshot(str(tmp_path)) == before  # no .tmp left, checkpoint.pth and .prev.pth as they were
+        assert fingerprint(str(tmp_path)) == before  # no .tmp left, checkpoint.pth and .prev.pth as they were
 
 
 def test_a_save_that_fails_says_why_from_its_errno_and_what_it_says_to_do_works(trained, tmp_path):
@@ -272,14 +242,14 @@ def test_the_data_folder_as_people_have_it(tiny_data, tmp_path, previous_run, ca
     train = os.path.join(data, "leftImg8bit", "train")
     city = [os.path.join(train, c) for c in sorted(os.listdir(train)) if os.path.isdir(os.path.join(train, c))][0]
     open(os.path.join(city, ".DS_Store"), "wb").close()
-    before = _snapshot(previous_run)
+    before = fingerprint(previous_run)
     common = ["--data", data, "--output-dir", previous_run, *TRAIN_ARGS, "--check-only", "2", "--overwrite"]
     main.main(main.get_args_parser().parse_args(common))  # stray files are ignored
     assert "error" not in capsys.readouterr().err
 
     loop = os.path.join(data, "leftImg8bit", "train", "loop")
     os.symlink(loop, loop)
-    line = _main_fails(common, capsys)
+    line = main_fails(common, capsys)
     assert loop in line and "loops back" in line, line
     os.remove(loop)
 
@@ -288,9 +258,9 @@ def test_the_data_folder_as_people_have_it(tiny_data, tmp_path, previous_run, ca
     label_dir = [os.path.join(val, c) for c in sorted(os.listdir(val)) if os.path.isdir(os.path.join(val, c))][0]
     label = os.path.join(label_dir, sorted(n for n in os.listdir(label_dir) if n.endswith("labelIds.png"))[0])
     Image.new("L", (64, 32), 200).save(label)  # a val label with values no labelIds image has
-    line = _main_fails(common, capsys)
+    line = main_fails(common, capsys)
     assert label in line and "not a Cityscapes labelIds image" in line, line  # before training, not after epoch 1
-    assert _snapshot(previous_run) == before
+    assert fingerprint(previous_run) == before
 
 
 @pytest.mark.launch
@@ -308,12 +278,12 @@ def test_the_data_folder_as_people_have_it(tiny_data, tmp_path, previous_run, ca
     ({"MASTER_PORT": "70000"}, "MASTER_PORT=70000: a port is at most 65535"),
 ])
 def test_run_sh_variables_are_checked_before_anything_runs(variables, expect, previous_run):
-    before = _snapshot(previous_run)
+    before = fingerprint(previous_run)
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OUTPUT_DIR": previous_run, **variables}
     result = subprocess.run(["./run.sh"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     output = result.stdout + result.stderr
     assert result.returncode == 1 and output.strip() == f"run.sh: error: {expect}", output
-    assert _snapshot(previous_run) == before
+    assert fingerprint(previous_run) == before
 
 
 @pytest.mark.launch
@@ -340,14 +310,14 @@ def test_under_run_sh_too_many_processes_name_its_variables(tiny_data, tmp_path,
     """main.py's check as run.sh runs it (DEEPLAB_RUN_SH=1, the world size run.sh counted): the advice names what the
     user sets there, NPROC and NNODES, not a flag. In-process: the line is main.py's."""
     monkeypatch.setenv("DEEPLAB_RUN_SH", "1")
-    line = _main_fails(["--data", tiny_data, "--output-dir", str(tmp_path / "out"), *TRAIN_ARGS, "--check-only", "10"],
+    line = main_fails(["--data", tiny_data, "--output-dir", str(tmp_path / "out"), *TRAIN_ARGS, "--check-only", "10"],
                        capsys)
     assert line == "main.py: error: 10 processes but only 5 val images: use at most 5 processes in all (NPROC x NNODES)"
 
 
 # --- nothing the user made is written over: what a command reads, and where it writes -------------------------
 def _fingerprint(*folders):
-    return {folder: _snapshot(folder) for folder in folders}
+    return {folder: fingerprint(folder) for folder in folders}
 
 
 def test_the_advice_for_a_model_of_other_classes_leads_to_a_command_that_works(trained, folder_data, tmp_path,
@@ -356,12 +326,12 @@ def test_the_advice_for_a_model_of_other_classes_leads_to_a_command_that_works(t
     shutil.copytree(trained, out)  # a Cityscapes run (19 classes), to continue on a data set of 7 classes
     before = _fingerprint(out, folder_data)
     common = ["--data", folder_data, *TRAIN_ARGS, "--epochs", "1"]
-    line = _main_fails(common + ["--output-dir", out, "--resume", "auto"], capsys)
+    line = main_fails(common + ["--output-dir", out, "--resume", "auto"], capsys)
     weights = os.path.join(out, "checkpoint.pth")
     assert f"fine-tune it on this data into a new output folder: --weights {weights} --output-dir NEW" in line, line
-    line = _main_fails(common + ["--output-dir", out, "--weights", weights], capsys)
+    line = main_fails(common + ["--output-dir", out, "--weights", weights], capsys)
     assert "holds another run" in line, line  # the same folder: refused, as another run is
-    line = _main_fails(common + ["--output-dir", out, "--weights", weights, "--overwrite"], capsys)
+    line = main_fails(common + ["--output-dir", out, "--weights", weights, "--overwrite"], capsys)
     assert "belongs to the run that --overwrite moves aside" in line and "another --output-dir" in line, line
     assert _fingerprint(out, folder_data) == before  # none of the three touched a file
     main.main(main.get_args_parser().parse_args(common + ["--output-dir", new, "--weights", weights]))  # the advice
@@ -372,24 +342,24 @@ def test_the_advice_for_a_model_of_other_classes_leads_to_a_command_that_works(t
 def test_under_run_sh_the_advice_names_its_variables(tiny_data, previous_run, monkeypatch, capsys):
     monkeypatch.setenv("DEEPLAB_RUN_SH", "1")  # as run.sh sets it
     os.remove(os.path.join(previous_run, "checkpoint.pth"))
-    line = _main_fails(["--data", tiny_data, "--output-dir", previous_run, *TRAIN_ARGS, "--resume", "auto"], capsys)
+    line = main_fails(["--data", tiny_data, "--output-dir", previous_run, *TRAIN_ARGS, "--resume", "auto"], capsys)
     assert f"OUTPUT_DIR {previous_run} holds another run" in line and "choose another OUTPUT_DIR" in line, line
     assert "./run.sh --overwrite" in line and "--output-dir" not in line and "--resume auto" not in line, line
     empty = os.path.join(previous_run, "empty")
-    line = _main_fails(["--data", tiny_data, "--output-dir", empty, *TRAIN_ARGS, "-b", "9"], capsys)
+    line = main_fails(["--data", tiny_data, "--output-dir", empty, *TRAIN_ARGS, "-b", "9"], capsys)
     assert "give ./run.sh -b 8 or less" in line, line  # run.sh chose -b itself: the user gives it after ./run.sh
-    line = _main_fails(["--data", tiny_data, "--output-dir", empty, *TRAIN_ARGS, "-e", "--resume", "auto"], capsys)
+    line = main_fails(["--data", tiny_data, "--output-dir", empty, *TRAIN_ARGS, "-e", "--resume", "auto"], capsys)
     assert f"OUTPUT_DIR {empty} to evaluate: train there first, or give ./run.sh -e --resume PATH" in line, line
 
 
 def test_the_data_set_is_never_where_the_run_writes(tiny_data, previous_run, capsys):
     data = os.path.join(previous_run, "vis", "data")  # a place the run writes into, and --overwrite moves aside
     shutil.copytree(tiny_data, data)
-    before = _snapshot(previous_run)
+    before = fingerprint(previous_run)
     for extra in ([], ["--overwrite"], ["--check-only", "1"]):
-        line = _main_fails(["--data", data, "--output-dir", previous_run, *TRAIN_ARGS, *extra], capsys)
+        line = main_fails(["--data", data, "--output-dir", previous_run, *TRAIN_ARGS, *extra], capsys)
         assert f"--data {data} is inside {os.path.join(previous_run, 'vis')}, where the run writes" in line, line
-        assert _snapshot(previous_run) == before
+        assert fingerprint(previous_run) == before
 
 
 def test_the_advice_after_a_stop_continues_the_run_instead_of_starting_over(tiny_data, trained, tmp_path,
@@ -415,11 +385,11 @@ def test_the_advice_after_a_stop_continues_the_run_instead_of_starting_over(tiny
     stop = tmp_path / "stop"
     stop.write_text("TERM")  # run.sh writes the first signal here: a worker started (again) after it ends at once
     monkeypatch.setenv("DEEPLAB_STOP_FILE", str(stop))
-    before = _snapshot(out)
+    before = fingerprint(out)
     with pytest.raises(SystemExit) as exit_info:
         main.main(main.get_args_parser().parse_args(common + ["--resume", "auto"]))
     said = capsys.readouterr().out
-    assert exit_info.value.code == 0 and "stopped before it began its work" in said and _snapshot(out) == before, said
+    assert exit_info.value.code == 0 and "stopped before it began its work" in said and fingerprint(out) == before, said
     monkeypatch.delenv("DEEPLAB_STOP_FILE")
     main.main(main.get_args_parser().parse_args(common + ["--resume", "auto"]))  # the advice, followed
     said = capsys.readouterr().out
@@ -431,33 +401,33 @@ def test_the_advice_after_a_stop_continues_the_run_instead_of_starting_over(tiny
 def test_no_output_lands_in_the_data_set(tiny_data, tmp_path, where, flag, capsys):
     data = str(tmp_path / "data")
     shutil.copytree(tiny_data, data)
-    before = _snapshot(data)
+    before = fingerprint(data)
     target = str(tmp_path / where)
     argv = ["--data", data, *TRAIN_ARGS, "--epochs", "1", flag, target]
     if flag != "--output-dir":
         argv += ["--output-dir", str(tmp_path / "out")]
-    line = _main_fails(argv, capsys)
+    line = main_fails(argv, capsys)
     assert f"{flag} {target} is" in line and f"--data {data}, which this command reads" in line, line
-    assert _snapshot(data) == before and not os.path.exists(tmp_path / "out")
+    assert fingerprint(data) == before and not os.path.exists(tmp_path / "out")
 
 
 def test_reads_are_checked_before_anything_is_moved_or_written(tiny_data, trained, tmp_path, previous_run, capsys):
-    before = _snapshot(previous_run)
+    before = fingerprint(previous_run)
     for extra, expect in [(["--weights", str(tmp_path / "gone.pth")], "gone.pth: no such file"),
                           (["--weights", trained], f"--weights {trained} is a folder, not a checkpoint: give a "
                                                    f"checkpoint file, such as {os.path.join(trained, 'best.pth')}"),
                           (["--data", str(tmp_path / "nowhere")], "not found")]:
         argv = ["--data", tiny_data, "--output-dir", previous_run, *TRAIN_ARGS, "--overwrite", *extra]
-        line = _main_fails(argv, capsys)
+        line = main_fails(argv, capsys)
         assert expect in line, (extra, line)
-        assert _snapshot(previous_run) == before  # --overwrite moved nothing: a read failed first
+        assert fingerprint(previous_run) == before  # --overwrite moved nothing: a read failed first
     assert not [name for name in os.listdir(previous_run) if name.startswith("replaced-")]
 
 
 def test_missing_folders_are_made_and_a_place_that_cannot_be_is_named(tiny_data, tmp_path, capsys):
     blocker = tmp_path / "a_file"
     blocker.write_text("not a folder")
-    line = _main_fails(["--data", tiny_data, "--output-dir", str(blocker / "runs" / "x"), *TRAIN_ARGS], capsys)
+    line = main_fails(["--data", tiny_data, "--output-dir", str(blocker / "runs" / "x"), *TRAIN_ARGS], capsys)
     assert f"cannot be written ({blocker} is a file)" in line, line
     out = tmp_path / "runs" / "deep" / "x"
     main.main(main.get_args_parser().parse_args(["--data", tiny_data, "--output-dir", str(out), *TRAIN_ARGS,
@@ -474,7 +444,7 @@ def test_a_rewind_keeps_what_it_drops_and_says_so(tiny_data, tmp_path, capsys):
     main.main(main.get_args_parser().parse_args(common))
     with open(os.path.join(out, "metrics.jsonl")) as f:
         lines = f.readlines()
-    newer = _snapshot(out)
+    newer = fingerprint(out)
     capsys.readouterr()
     main.main(main.get_args_parser().parse_args(common + ["--resume", os.path.join(out, "checkpoint.prev.pth")]))
     said = capsys.readouterr().out
@@ -493,7 +463,7 @@ def test_a_rewind_keeps_what_it_drops_and_says_so(tiny_data, tmp_path, capsys):
 def test_a_folder_or_a_ddp_state_dict_or_backbone_weights_given_as_a_checkpoint(tiny_data, trained, tmp_path,
                                                                                  capsys):
     common = ["--data", tiny_data, "--output-dir", str(tmp_path / "out"), *TRAIN_ARGS]
-    line = _main_fails(common + ["-e", "--resume", trained], capsys)
+    line = main_fails(common + ["-e", "--resume", trained], capsys)
     assert f"--resume {trained} is a folder, not a checkpoint" in line, line
     weights = torch.load(os.path.join(trained, "best.pth"), weights_only=True)["model"]
     wrapped = str(tmp_path / "ddp.pth")  # torch.save(ddp_model.state_dict()): every key "module.…"
@@ -503,21 +473,21 @@ def test_a_folder_or_a_ddp_state_dict_or_backbone_weights_given_as_a_checkpoint(
     backbone = str(tmp_path / "mobilenet_v3_large.pth")  # a classification network's weights, as torchvision's
     torch.save({"features.0.0.weight": torch.zeros(16, 3, 3, 3), "classifier.0.weight": torch.zeros(1280, 960)},
                backbone)
-    line = _main_fails(common[:3] + [str(tmp_path / "new")] + common[4:] + ["--weights", backbone], capsys)
+    line = main_fails(common[:3] + [str(tmp_path / "new")] + common[4:] + ["--weights", backbone], capsys)
     assert "holds the weights of a classification network" in line and f"--pretrained-backbone {backbone}" in line
     best = os.path.join(trained, "best.pth")
     for given, expect in [(best, ["holds a whole DeepLab model", f"fine-tune from it with --weights {best}"]),
                           (wrapped, ["holds a segmentation model's weights", "of this program goes to --weights"])]:
-        line = _main_fails(common[:3] + [str(tmp_path / "new")] + common[4:] + ["--pretrained-backbone", given], capsys)
+        line = main_fails(common[:3] + [str(tmp_path / "new")] + common[4:] + ["--pretrained-backbone", given], capsys)
         assert all(part in line for part in expect), line  # where a backbone's weights are meant
     vision = str(tmp_path / "torchvision.pth")  # torchvision's own DeepLab, its head named otherwise
     torch.save({"backbone.0.0.weight": torch.zeros(16, 3, 3, 3), "classifier.0.convs.0.0.weight": torch.zeros(4)},
                vision)
-    line = _main_fails(common + ["-e", "--resume", vision], capsys)
+    line = main_fails(common + ["-e", "--resume", vision], capsys)
     assert "holds torchvision's own DeepLab (torchvision.models.segmentation" in line, line
     odd = str(tmp_path / "odd.pth")  # weights alone, of no model of this project: -e and --weights would fail too
     torch.save({**weights, "classifier.weight": torch.zeros(19, 3, 1, 1)}, odd)
-    line = _main_fails(common + ["--resume", odd], capsys)
+    line = main_fails(common + ["--resume", odd], capsys)
     assert "its weights fit no model of this project" in line and "-e" not in line, line
 
 
@@ -526,7 +496,7 @@ def test_torch_s_own_error_text_is_whole(tiny_data, tmp_path, capsys):
     broken.write_bytes(b"PK\x03\x04 not really a zip archive")
     with pytest.raises(Exception) as raised:
         torch.load(broken, weights_only=True)
-    line = _main_fails(["--data", tiny_data, "--output-dir", str(tmp_path / "out"), *TRAIN_ARGS, "-e", "--resume",
+    line = main_fails(["--data", tiny_data, "--output-dir", str(tmp_path / "out"), *TRAIN_ARGS, "-e", "--resume",
                         str(broken)], capsys)
     assert str(raised.value).strip().splitlines()[0] in line, line
 
@@ -553,9 +523,9 @@ def test_pretrained_weights_are_fetched_only_for_a_fresh_start(tiny_data, traine
     assert fetched == []
     monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT")
     fresh = imagenet[:3] + [str(tmp_path / "fresh")] + imagenet[4:] + ["--check-only", "2"]
-    line = _main_fails(fresh, capsys)  # the tests' tiny model has no ImageNet weights to fetch: said, not tried
+    line = main_fails(fresh, capsys)  # the tests' tiny model has no ImageNet weights to fetch: said, not tried
     assert "mobilenet_tiny (MobileNetV3-Small at half width) has no ImageNet weights" in line and fetched == [], line
-    line = _main_fails(fresh + ["--model", "deeplabv3plus_mobilenet_v3_large"], capsys)
+    line = main_fails(fresh + ["--model", "deeplabv3plus_mobilenet_v3_large"], capsys)
     assert "could not download the ImageNet weights" in line and len(fetched) == 1, line  # a fresh start fetches
 
 
@@ -564,7 +534,7 @@ def _predict_fails(argv, capsys):
     with pytest.raises(SystemExit) as exit_info:
         predict.main(predict.get_args_parser().parse_args(argv))
     assert exit_info.value.code == 1
-    return _one_error_line(capsys, "predict.py: error: ")
+    return one_error_line(capsys, "predict.py: error: ")
 
 
 def test_predict_and_export_never_write_over_what_they_read(trained, tmp_path, capsys):
@@ -630,10 +600,10 @@ def test_the_decode_cache_stays_out_of_the_data_set_and_minus_j_0_means_this_pro
     from harness.cache import prepare_cache
     data = str(tmp_path / "data")
     shutil.copytree(tiny_data, data)
-    before = _snapshot(data)
+    before = fingerprint(data)
     with pytest.raises(errors.UserError, match="CACHE_DIR .* is inside --data"):
         prepare_cache(data, os.path.join(data, "cache"), ["val"], workers=0)
-    assert _snapshot(data) == before
+    assert fingerprint(data) == before
     prepare_cache(data, str(tmp_path / "cache"), ["val"], workers=0)  # no pool: in this process
     assert len(os.listdir(tmp_path / "cache")) == 2 * 5
 
@@ -672,7 +642,7 @@ def test_labels_that_cannot_teach_are_said(tmp_path, capsys):
     for mask in os.listdir(os.path.join(data, "masks", "val")):  # val: nothing labelled at all
         from PIL import Image
         Image.new("L", (6, 4), 255).save(os.path.join(data, "masks", "val", mask))
-    line = _main_fails(["--data", data, *TRAIN_ARGS, "--check-only", "1", "--output-dir", out + "2"], capsys)
+    line = main_fails(["--data", data, *TRAIN_ARGS, "--check-only", "1", "--output-dir", out + "2"], capsys)
     assert "val labels of --data" in line and "hold no pixel of any class" in line, line
 
 
@@ -684,23 +654,23 @@ def test_own_data_mistakes_name_their_real_cause(tmp_path, capsys):
     many = {"names": [f"c{i}" for i in range(256)]}
     with open(os.path.join(data, "classes.json"), "w") as f:
         json.dump(many, f)
-    line = _main_fails(["--data", data, *argv], capsys)
+    line = main_fails(["--data", data, *argv], capsys)
     assert "names 256 classes, but a mask of 8 bits a pixel holds at most 255 classes beside its ignore_index" in line
     with open(os.path.join(data, "classes.json"), "w") as f:
         json.dump({"names": ["a", "b"]}, f)
     Image.new("RGB", (6, 4)).save(os.path.join(data, "images", "val", "y.webp"))
-    line = _main_fails(["--data", data, *argv], capsys)
+    line = main_fails(["--data", data, *argv], capsys)
     assert "y.webp: images are .jpg, .jpeg, .png files, and this format is not read" in line, line
     os.remove(os.path.join(data, "images", "val", "y.webp"))
     Image.new("L", (6, 4)).save(os.path.join(data, "masks", "val", "x0.jpg"))
-    line = _main_fails(["--data", data, *argv], capsys)
+    line = main_fails(["--data", data, *argv], capsys)
     assert "x0.jpg: masks are PNGs: JPEG's compression changes class indices" in line, line
     os.remove(os.path.join(data, "masks", "val", "x0.jpg"))
     exif = Image.Exif()
     exif[0x0112] = 6  # a phone photo stored 6x4, seen 4x6; its mask drawn on the stored picture
     Image.fromarray(np.zeros((4, 6, 3), np.uint8)).save(os.path.join(data, "images", "val", "x0.jpg"), exif=exif)
     os.remove(os.path.join(data, "images", "val", "x0.png"))
-    line = _main_fails(["--data", data, *argv], capsys)
+    line = main_fails(["--data", data, *argv], capsys)
     assert "is 6x4 but its image is 4x6 as its EXIF orientation turns it (stored 6x4)" in line, line
 
 
@@ -819,19 +789,19 @@ def test_out_of_memory_in_a_step_or_the_evaluation_ends_in_one_line_that_says_wh
                                                                                              monkeypatch, capsys):
     common = ["--data", tiny_data, *TRAIN_ARGS, "--epochs", "1"]
     _runs_out_of_memory(monkeypatch, lambda calls, training: calls == 3)  # the third step
-    line = _main_fails(common + ["--output-dir", str(tmp_path / "a")], capsys)
+    line = main_fails(common + ["--output-dir", str(tmp_path / "a")], capsys)
     assert line == ("main.py: error: out of memory in a training step (-b 2 per process x --accum-steps 1, crop 32x32, "
                     "fp32; GPU 0: 24.0 GiB in all, 22.5 GiB at the peak): try --amp bf16, -b 1 --accum-steps 2 (the "
                     "same global batch), or a smaller --crop-size"), line
     assert not os.path.exists(tmp_path / "a" / "checkpoint.pth")
     _runs_out_of_memory(monkeypatch, lambda calls, training: not training)  # the first val image
-    line = _main_fails(common + ["--output-dir", str(tmp_path / "b"), "--amp", "bf16"], capsys)
+    line = main_fails(common + ["--output-dir", str(tmp_path / "b"), "--amp", "bf16"], capsys)
     assert line == ("main.py: error: out of memory in the evaluation (val images whole, at full resolution, one at a "
                     "time, bf16; GPU 0: 24.0 GiB in all, 22.5 GiB at the peak): try a sliding window, --eval-crop 769 "
                     "(mmsegmentation's)"), line
     monkeypatch.setenv("DEEPLAB_RUN_SH", "1")  # the advice as run.sh's user types it; the CPU's allocator this time
     _runs_out_of_memory(monkeypatch, lambda calls, training: training, cpu=True)
-    line = _main_fails(common + ["--output-dir", str(tmp_path / "c"), "-b", "3", "--accum-steps", "2"], capsys)
+    line = main_fails(common + ["--output-dir", str(tmp_path / "c"), "-b", "3", "--accum-steps", "2"], capsys)
     assert line.endswith("try --amp bf16, -b 1 --accum-steps 6 (the same global batch), or a smaller --crop-size "
                          "(after ./run.sh)"), line
 
@@ -863,21 +833,21 @@ def test_a_folder_in_use_is_refused_to_another_run_and_taken_over_from_a_dead_on
     shutil.copytree(trained, out)
     holder = subprocess.Popen([sys.executable, "-c", HOLDER, out], cwd=ROOT, stdout=subprocess.PIPE, text=True)
     assert holder.stdout.readline() == "held\n"  # a run (a process that holds the folder as main.py does)
-    before = _snapshot(out)
+    before = fingerprint(out)
     common = ["--data", tiny_data, "--output-dir", out, *TRAIN_ARGS]
     try:
         for extra in (["--epochs", "2", "--resume", "auto"], ["--resume", "auto", "--check-only", "2"],
                       ["-e", "--resume", os.path.join(out, "best.pth")], ["--epochs", "1", "--overwrite"]):
-            line = _main_fails(common + extra, capsys)
+            line = main_fails(common + extra, capsys)
             assert (f"--output-dir {out} is in use by another run (host {socket.gethostname()}, process "
                     f"{holder.pid}, since ") in line and "wait for it to end, or give another --output-dir" in line, line
-            assert _snapshot(out) == before  # nothing of the refused run there, not even its stop record
+            assert fingerprint(out) == before  # nothing of the refused run there, not even its stop record
         predictions = os.path.join(out, "predictions")  # predict.py's pictures among the files of a run that writes
         line = _predict_fails(["--resume", os.path.join(out, "best.pth"), os.path.join(out, "vis"), "--output-dir",
                                predictions, "-j", "0"], capsys)
         assert (f"--output-dir {predictions} is inside {out}, which is in use by another run (host "
                 f"{socket.gethostname()}, process {holder.pid}): give another --output-dir") in line, line
-        assert _snapshot(out) == before
+        assert fingerprint(out) == before
     finally:
         holder.send_signal(signal.SIGKILL)  # a holder that dies without letting go
         holder.communicate()
@@ -899,7 +869,7 @@ def test_a_new_output_folder_is_held_before_anything_in_it_is_decided(tiny_data,
         return decide(args)
     monkeypatch.setattr(checkpoints, "decide_start", deciding)
     common = ["--data", tiny_data, "--output-dir", out, *TRAIN_ARGS, "--epochs", "1", "--resume", "auto"]
-    line = _main_fails(common + ["-b", "9"], capsys)  # a mistake found after the hold
+    line = main_fails(common + ["-b", "9"], capsys)  # a mistake found after the hold
     assert "makes a global batch of 9" in line and held_while_deciding == [True], (line, held_while_deciding)
     assert not os.path.exists(tmp_path / "new")  # the folders made for the hold, left empty, go with it
     main.main(main.get_args_parser().parse_args(common + ["--check-only", "1"]))
@@ -943,7 +913,7 @@ def test_what_stands_where_the_run_writes_is_named_before_any_step(name, make, e
     common = ["--data", tiny_data, "--output-dir", str(out), *TRAIN_ARGS, "--epochs", "2", "--resume", "auto"]
     try:
         for extra in (["--check-only", "1"], []):
-            line = _main_fails(common + extra, capsys)
+            line = main_fails(common + extra, capsys)
             assert line == f"main.py: error: {path} {expect}" + (str(path) + ", or move it away" if "chattr" in expect
                                                                   else ""), line
     finally:
@@ -969,7 +939,7 @@ def test_a_checkpoint_this_user_may_not_read_or_that_is_no_file_is_named_as_such
     shutil.copytree(trained, out)
     checkpoint = str(out / "checkpoint.pth")
     shutil.copy(checkpoint, out / "checkpoint.prev.pth")
-    before = _snapshot(out)
+    before = fingerprint(out)
     common = ["--data", tiny_data, "--output-dir", str(out), *TRAIN_ARGS, "--epochs", "2"]
     real_open = builtins.open
 
@@ -979,27 +949,27 @@ def test_a_checkpoint_this_user_may_not_read_or_that_is_no_file_is_named_as_such
         return real_open(file, *args, **kwargs)
     with monkeypatch.context() as patch:
         patch.setattr(builtins, "open", denied)
-        line = _main_fails(common + ["--resume", "auto"], capsys)
+        line = main_fails(common + ["--resume", "auto"], capsys)
     assert line == (f"main.py: error: --resume auto: {checkpoint} cannot be read (Permission denied): give this user "
                     f"read permission (ls -l {checkpoint}; chmod u+r {checkpoint} as its owner), or copy it somewhere "
                     "this user may read it"), line
-    assert _snapshot(out) == before  # not rewound to checkpoint.prev.pth
+    assert fingerprint(out) == before  # not rewound to checkpoint.prev.pth
     pipe = str(tmp_path / "pipe.pth")
     os.mkfifo(pipe)
     for flag in ("--resume", "--weights"):
-        line = _main_fails(common + [flag, pipe, "--output-dir", str(tmp_path / "new")], capsys)
+        line = main_fails(common + [flag, pipe, "--output-dir", str(tmp_path / "new")], capsys)
         assert line == f"main.py: error: {flag} {pipe} is a named pipe (FIFO), not a checkpoint: give a checkpoint file"
     elsewhere = str(tmp_path / "kept" / "checkpoint.pth")  # the run's checkpoint kept on another disk, say
     os.makedirs(os.path.dirname(elsewhere))
     os.replace(checkpoint, elsewhere)
     os.symlink(elsewhere, checkpoint)
-    kept = _snapshot(os.path.dirname(elsewhere))
+    kept = fingerprint(os.path.dirname(elsewhere))
     main.main(main.get_args_parser().parse_args(common + ["--resume", "auto"]))
     said = capsys.readouterr().out
     assert f"note: {checkpoint} is a symbolic link to {elsewhere}: the run reads it" in said, said
     assert f"resuming from {checkpoint} at the start of epoch 1" in said and "done: best mIoU" in said, said
     assert not os.path.islink(checkpoint) and checkpoints.read("--resume", checkpoint)["epoch"] == 2
-    assert _snapshot(os.path.dirname(elsewhere)) == kept
+    assert fingerprint(os.path.dirname(elsewhere)) == kept
 
 
 @pytest.mark.parametrize("moment, target", [
@@ -1017,7 +987,7 @@ def test_a_stop_at_any_moment_before_training_ends_the_run_and_changes_nothing(m
     out = str(tmp_path / "out")
     shutil.copytree(trained, out)
     shutil.copy(os.path.join(out, "checkpoint.pth"), os.path.join(out, "checkpoint.prev.pth"))
-    before = _snapshot(out)
+    before = fingerprint(out)
     owner, name = target
     real, sent = getattr(owner, name), []
 
@@ -1033,7 +1003,7 @@ def test_a_stop_at_any_moment_before_training_ends_the_run_and_changes_nothing(m
     assert sent and "Traceback" not in said.err, said
     assert f"stopped by signal {int(signal.SIGTERM)} before training began: nothing was trained" in said.out, said
     assert not any(word in said.out + said.err for word in ("warning", "damaged", "cannot", "error")), said
-    assert _snapshot(out) == before  # no rewind, nothing set aside, the folder let go
+    assert fingerprint(out) == before  # no rewind, nothing set aside, the folder let go
 
 
 # --- a checkpoint is verified before it is trusted --------------------------------------------------------------------
@@ -1055,14 +1025,14 @@ def test_a_damaged_checkpoint_is_refused_by_every_reader_and_resume_auto_falls_b
     torch.load(best, weights_only=True)  # torch itself does not notice
     common = ["--data", tiny_data, *TRAIN_ARGS]
     damaged = f"--resume {best} is damaged: its record"
-    line = _main_fails(common + ["--output-dir", str(tmp_path / "e"), "-e", "--resume", best], capsys)
+    line = main_fails(common + ["--output-dir", str(tmp_path / "e"), "-e", "--resume", best], capsys)
     assert damaged in line and "differs from the CRC-32 torch.save wrote for it" in line, line
-    line = _main_fails(common + ["--output-dir", str(tmp_path / "w"), "--weights", best, "--epochs", "1"], capsys)
+    line = main_fails(common + ["--output-dir", str(tmp_path / "w"), "--weights", best, "--epochs", "1"], capsys)
     assert f"--weights {best} is damaged" in line, line
     for argv in ([str(tmp_path), "--output-dir", str(tmp_path / "p")], ["--export", str(tmp_path / "m.onnx")]):
         with pytest.raises(SystemExit):
             predict.main(predict.get_args_parser().parse_args(["--resume", best, *argv]))
-        assert damaged in _one_error_line(capsys, "predict.py: error: ")
+        assert damaged in one_error_line(capsys, "predict.py: error: ")
     _damage(os.path.join(out, "checkpoint.pth"), at=0.3)
     main.main(main.get_args_parser().parse_args(common + ["--output-dir", out, "--epochs", "2", "--resume", "auto"]))
     said = capsys.readouterr().out
@@ -1136,11 +1106,11 @@ def test_earlier_results_are_replaced_with_a_word_and_a_full_disk_writing_eval_j
     for module, name in ((paths, "write_atomically"), (records, "save_picture")):  # eval.json's write, the picture's
         with monkeypatch.context() as patch:
             patch.setattr(module, name, full_disk)
-            before = _snapshot(str(tmp_path / "e"))
-            line = _main_fails(evaluate, capsys)
+            before = fingerprint(str(tmp_path / "e"))
+            line = main_fails(evaluate, capsys)
         assert line == (f"main.py: error: cannot write in {tmp_path / 'e'} (no space left on device): eval.json is as "
                         "it was; free space there, or give -e another --output-dir"), line
-        assert _snapshot(str(tmp_path / "e"))["eval.json"] == before["eval.json"]  # not replaced before the stop
+        assert fingerprint(str(tmp_path / "e"))["eval.json"] == before["eval.json"]  # not replaced before the stop
 
 
 # --- advice that works: each piece of advice a mistake's line gives, followed as it is written ------------------------
@@ -1260,7 +1230,7 @@ def test_the_launchers_environment_is_checked_in_one_line(variables, expect, tin
                                                         capsys):
     for name, value in variables.items():
         monkeypatch.setenv(name, value)
-    line = _main_fails(["--data", tiny_data, "--output-dir", str(tmp_path / "out"), *TRAIN_ARGS], capsys)
+    line = main_fails(["--data", tiny_data, "--output-dir", str(tmp_path / "out"), *TRAIN_ARGS], capsys)
     assert expect in line and not os.path.exists(tmp_path / "out"), line
 
 
@@ -1273,7 +1243,7 @@ def test_a_master_port_taken_by_another_program_is_named(tiny_data, tmp_path, mo
         for name, value in {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
                             "MASTER_PORT": port}.items():
             monkeypatch.setenv(name, value)
-        line = _main_fails(["--data", tiny_data, "--output-dir", str(tmp_path / "out"), *TRAIN_ARGS], capsys)
+        line = main_fails(["--data", tiny_data, "--output-dir", str(tmp_path / "out"), *TRAIN_ARGS], capsys)
     assert f"MASTER_PORT {port} is taken on this machine by another program (another run?): give another" in line, line
 
 
@@ -1300,7 +1270,7 @@ def test_each_piece_of_advice_followed_as_written_ends_that_mistake(extra, words
             + extra if word != "{no --model}"]
     if "{no --model}" in extra:
         argv = _replace(argv, "--model", [])
-    line = _main_fails(argv, capsys)
+    line = main_fails(argv, capsys)
     assert words in line, (extra, line)
     advised = follow(argv, line)
     assert advised, (extra, line)
@@ -1311,7 +1281,7 @@ def test_each_piece_of_advice_followed_as_written_ends_that_mistake(extra, words
         if stop.code == errors.NOTHING_TO_TRAIN:  # past the mistake: the checks passed, and the run had finished
             assert "nothing to train" in capsys.readouterr().out, (extra, line, advised)
         else:
-            assert words not in _one_error_line(capsys), (extra, line, advised)
+            assert words not in one_error_line(capsys), (extra, line, advised)
 
 
 # --- a checkpoint of another version: checked whole, before any of it is used ---------------------------------------
@@ -1358,12 +1328,12 @@ def test_a_checkpoint_of_another_version_is_refused_in_one_line_before_training(
     out = str(tmp_path / "out")
     shutil.copytree(trained, out)
     path = _another_version(trained, os.path.join(out, "checkpoint.pth"), change)
-    before = _snapshot(out)
+    before = fingerprint(out)
     common = ["--data", tiny_data, *TRAIN_ARGS, "--epochs", "2"]
-    line = _main_fails(common + ["--output-dir", out, "--resume", "auto"], capsys)
+    line = main_fails(common + ["--output-dir", out, "--resume", "auto"], capsys)
     assert f"--resume {path} cannot resume training in this version of main.py: {expect}" in line, line
     assert "(it carries no format number: an earlier version of main.py wrote it, or another program)" in line, line
-    assert _snapshot(out) == before  # nothing trained, nothing written
+    assert fingerprint(out) == before  # nothing trained, nothing written
     if expect.startswith("its optimizer is not SGD's"):  # the advice, the same in every case, followed once
         advised = re.search(r"fine-tuning into a new run: (--weights \S+) --output-dir NEW$", line).group(1).split()
         main.main(main.get_args_parser().parse_args(common[:-1] + ["1", "--output-dir", str(tmp_path / "new"),
@@ -1425,9 +1395,9 @@ def test_a_newer_version_s_checkpoint_is_named_as_such_by_every_reader(reader, t
         if argv is None:
             with pytest.raises(SystemExit):
                 predict.main(predict.get_args_parser().parse_args([tiny_data, "--resume", path]))
-            line = _one_error_line(capsys, "predict.py: error: ")
+            line = one_error_line(capsys, "predict.py: error: ")
         else:
-            line = _main_fails(["--data", tiny_data, "--output-dir", str(tmp_path / "out"), *TRAIN_ARGS, *argv], capsys)
+            line = main_fails(["--data", tiny_data, "--output-dir", str(tmp_path / "out"), *TRAIN_ARGS, *argv], capsys)
         flag = "--weights" if reader == "--weights" else "--resume"
         assert (f"{flag} {path} was written by a newer version of this program (checkpoint format "
                 f"{checkpoints.FORMAT + 1}; this one reads up to {checkpoints.FORMAT}): use that version" in line
@@ -1443,13 +1413,13 @@ def test_a_line_names_where_the_model_it_builds_came_from(tiny_data, trained, tm
     path = _another_version(trained, str(tmp_path / "no_args.pth"), lambda s: s.pop("args"))
     common = ["--data", tiny_data, "--output-dir", str(tmp_path / "e"), *TRAIN_ARGS, "-e", "--resume", path]
     typed = common.index("--model")
-    line = _main_fails(common[:typed] + common[typed + 2:], capsys)
+    line = main_fails(common[:typed] + common[typed + 2:], capsys)
     assert (f"--resume {path} does not fit deeplabv3plus_resnet101, the default model (no --model given, and it names "
             "none)") in line, line
     advised = re.search(r"give (--model \S+)$", line).group(1).split()
     main.main(main.get_args_parser().parse_args(common[:typed] + common[typed + 2:] + advised))
     assert "mIoU" in capsys.readouterr().out
-    line = _main_fails(common[:typed] + ["--model", "deeplabv3_resnet50"] + common[typed + 2:] + ["--resume",
+    line = main_fails(common[:typed] + ["--model", "deeplabv3_resnet50"] + common[typed + 2:] + ["--resume",
                        os.path.join(trained, "best.pth")], capsys)
     assert "holds a deeplabv3plus_mobilenet_tiny model, but --model deeplabv3_resnet50 was given" in line, line
 
@@ -1479,28 +1449,26 @@ def test_save_predictions_never_replaces_a_data_set_s_files(tiny_data, folder_da
     other, copy = str(tmp_path / "other"), str(tmp_path / "copy")
     shutil.copytree(folder_data, other)
     shutil.copytree(os.path.join(folder_data, "masks", "val"), copy)  # masks, in a folder of no data set
-    before = _snapshot(other), _snapshot(copy)
+    before = fingerprint(other), fingerprint(copy)
     common = ["--data", folder_data, "--output-dir", str(tmp_path / "out"), *TRAIN_ARGS, "--epochs", "1"]
-    line = _main_fails(common + ["--save-predictions", os.path.join(other, "masks", "val")], capsys)
+    line = main_fails(common + ["--save-predictions", os.path.join(other, "masks", "val")], capsys)
     assert (f"--save-predictions {os.path.join(other, 'masks', 'val')} is inside the data set {other} (it holds "
             "classes.json): predictions would land among its files") in line, line
-    line = _main_fails(common + ["--save-predictions", copy], capsys)
+    line = main_fails(common + ["--save-predictions", copy], capsys)
     assert (f"--save-predictions {copy} holds 5 file(s) that the predictions would replace (e.g. {copy}/") in line
     assert "which no --save-predictions wrote: give a new or empty folder" in line, line
-    assert (_snapshot(other), _snapshot(copy)) == before and not os.path.exists(tmp_path / "out")
+    assert (fingerprint(other), fingerprint(copy)) == before and not os.path.exists(tmp_path / "out")
     evaluate = ["--data", tiny_data, "--output-dir", str(tmp_path / "e"), *TRAIN_ARGS, "-e", "--resume",
                 os.path.join(trained, "best.pth"), "--save-predictions", str(tmp_path / "new")]
     city = str(tmp_path / "city")  # another Cityscapes: its gtFine/val/ is its ground truth
     shutil.copytree(tiny_data, city)
-    line = _main_fails(evaluate[:-1] + [os.path.join(city, "gtFine", "val")], capsys)
+    line = main_fails(evaluate[:-1] + [os.path.join(city, "gtFine", "val")], capsys)
     assert f"is inside the data set {city} (it holds leftImg8bit)" in line, line
     for _ in range(2):  # the advice followed, twice: the second replaces what the first wrote
         main.main(main.get_args_parser().parse_args(evaluate))
         assert len(glob.glob(str(tmp_path / "new" / "*_pred_labelIds.png"))) == 5
 
 
-def _no_space(*args, **kwargs):
-    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
 
 def test_a_full_disk_under_save_predictions_or_tensorboard_keeps_the_trained_epoch(tiny_data, trained, tmp_path,
@@ -1512,9 +1480,9 @@ def test_a_full_disk_under_save_predictions_or_tensorboard_keeps_the_trained_epo
     out, predictions = str(tmp_path / "out"), str(tmp_path / "predictions")
     common = ["--data", tiny_data, *TRAIN_ARGS, "--epochs", "1"]
     with monkeypatch.context() as patch:
-        patch.setattr(dataset.Cityscapes, "save_prediction", _no_space)
-        patch.setattr(SummaryWriter, "add_image", _no_space)
-        line = _main_fails(common + ["--output-dir", out, "--save-predictions", predictions, "--tensorboard"], capsys)
+        patch.setattr(dataset.Cityscapes, "save_prediction", no_space)
+        patch.setattr(SummaryWriter, "add_image", no_space)
+        line = main_fails(common + ["--output-dir", out, "--save-predictions", predictions, "--tensorboard"], capsys)
     checkpoint, free = os.path.join(out, "checkpoint.pth"), re.search(r"; (\d+) MiB free", line).group(1)
     assert line == (f"main.py: error: cannot write 5 prediction(s) in {predictions} (no space left on device; "
                     f"{free} MiB free there when it failed): the last epoch's "
@@ -1524,8 +1492,8 @@ def test_a_full_disk_under_save_predictions_or_tensorboard_keeps_the_trained_epo
     advised = line.split("write them from it: ")[1].split()
     main.main(main.get_args_parser().parse_args(TRAIN_ARGS + advised))
     assert len(os.listdir(predictions)) == 5
-    monkeypatch.setattr(dataset.Cityscapes, "save_prediction", _no_space)  # -e: eval.json is written, then the line
-    line = _main_fails(["--data", tiny_data, *TRAIN_ARGS, "-e", "--resume", checkpoint, "--output-dir",
+    monkeypatch.setattr(dataset.Cityscapes, "save_prediction", no_space)  # -e: eval.json is written, then the line
+    line = main_fails(["--data", tiny_data, *TRAIN_ARGS, "-e", "--resume", checkpoint, "--output-dir",
                         str(tmp_path / "e"), "--save-predictions", predictions], capsys)
     assert "the evaluation is in eval.json; free space there, then run the same command again" in line, line
     assert os.path.isfile(tmp_path / "e" / "eval.json")
@@ -1537,8 +1505,8 @@ def test_a_full_disk_before_the_first_checkpoint_gives_advice_that_works(tiny_da
     from harness import records
     argv = ["--data", tiny_data, "--output-dir", str(tmp_path / "out"), *TRAIN_ARGS, "--epochs", "1"]
     with monkeypatch.context() as patch:
-        patch.setattr(records, "save_picture", _no_space)
-        line = _main_fails(argv, capsys)
+        patch.setattr(records, "save_picture", no_space)
+        line = main_fails(argv, capsys)
     assert ("(no space left on device; " in line and line.endswith(
         "no checkpoint was kept. Free space there, then start again: the same command with --overwrite (what this "
         "epoch wrote is put aside)")), line
@@ -1567,7 +1535,7 @@ def test_a_data_folder_that_cannot_be_listed_is_named_in_one_line(layout, folder
                     raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), path)
                 return real(path)
             patch.setattr(os, name, refuse)
-        line = _main_fails(argv, capsys)
+        line = main_fails(argv, capsys)
     assert line == (f"main.py: error: {unreadable} cannot be listed (Permission denied): give the user that runs "
                     f"training permission to read it and the folders in it (ls -ld {unreadable}: its owner and mode)")
     os.chmod(unreadable, 0o755)  # the advice followed (as root: the refusal taken away with the patch)

@@ -1,7 +1,6 @@
 """Your own data: the folder layout (images/, masks/, classes.json) trains, evaluates and predicts with its own
 classes; a Cityscapes model fine-tunes on it; its mistakes end in one line; TensorBoard's curves continue
 across a resume."""
-import errno
 import json
 import os
 import shutil
@@ -17,10 +16,9 @@ import images
 import main
 import predict
 from harness import checkpoints, job
-from conftest import ROOT, TRAIN_ARGS
+from conftest import ROOT, TRAIN_ARGS, main_fails, no_space, one_error_line
 from dataset import FolderDataset, default_colors, open_dataset
 from models import build_model
-from test_mistakes import _main_fails, _one_error_line
 
 # Cityscapes' categories, typed here independently of synthetic.py, with the colour of each one's first class.
 CATEGORIES = ["flat", "construction", "object", "nature", "sky", "human", "vehicle"]
@@ -28,9 +26,7 @@ CATEGORY_COLORS = [(128, 64, 128), (70, 70, 70), (153, 153, 153), (107, 142, 35)
                    (0, 0, 142)]
 
 
-@pytest.fixture(autouse=True)
-def on_the_cpu(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+pytestmark = pytest.mark.usefixtures("on_the_cpu")
 
 
 def test_the_synthetic_folder_set_reads_as_its_files_say(folder_data):
@@ -136,7 +132,7 @@ def test_mistakes_in_your_own_data_end_in_one_line(folder_data, tmp_path, how, e
     root = str(tmp_path / "data")
     shutil.copytree(folder_data, root)
     _break(root, how)
-    line = _main_fails(["--data", root, "--output-dir", str(tmp_path / "out"), *TRAIN_ARGS, "--check-only", "2"],
+    line = main_fails(["--data", root, "--output-dir", str(tmp_path / "out"), *TRAIN_ARGS, "--check-only", "2"],
                        capsys)
     assert expect.format(root=root) in line, line
 
@@ -188,7 +184,7 @@ def test_a_checkpoint_from_before_classes_were_saved_is_cityscapes(trained, tiny
     main.main(main.get_args_parser().parse_args(["--data", tiny_data, "--output-dir", str(tmp_path / "e"), "-e",
                                                  "--resume", old, *TRAIN_ARGS]))
     assert "  road" in capsys.readouterr().out
-    line = _main_fails(["--data", folder_data, "--output-dir", str(tmp_path / "e"), "-e", "--resume", old,
+    line = main_fails(["--data", folder_data, "--output-dir", str(tmp_path / "e"), "-e", "--resume", old,
                         *TRAIN_ARGS], capsys)
     assert "was trained for 19 classes (road, sidewalk, building, ...)" in line, line
 
@@ -274,7 +270,7 @@ def test_own_data_fine_tuned_evaluated_predicted_and_its_curves_continue(trained
         assert mask.mode == "P" and mask.size == (64, 32) and int(np.asarray(mask).max()) < 7
 
     # A model of other classes on this data: one line, which says how to fine-tune instead.
-    line = _main_fails(["--data", folder_data, "--output-dir", out, *TRAIN_ARGS, "-e", "--resume",
+    line = main_fails(["--data", folder_data, "--output-dir", out, *TRAIN_ARGS, "-e", "--resume",
                         os.path.join(trained, "best.pth")], capsys)
     assert "was trained for 19 classes" in line and "--data has 7 others" in line and "--weights" in line, line
 
@@ -291,14 +287,11 @@ def test_own_data_fine_tuned_evaluated_predicted_and_its_curves_continue(trained
     with pytest.raises(SystemExit):
         predict.main(predict.get_args_parser().parse_args(["--resume", os.path.join(out, "best.pth"), folder_data,
                                                            "--format", "labelid"]))
-    assert "this model's classes are not Cityscapes'" in _one_error_line(capsys, "predict.py: error: ")
+    assert "this model's classes are not Cityscapes'" in one_error_line(capsys, "predict.py: error: ")
 
 
 def test_tensorboard_that_cannot_write_costs_the_curves_not_the_run(tiny_data, tmp_path, monkeypatch, capsys):
     from torch.utils.tensorboard import SummaryWriter
-
-    def no_space(*args, **kwargs):
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
     monkeypatch.setattr(SummaryWriter, "add_scalar", no_space)
     out = str(tmp_path / "out")
     main.main(main.get_args_parser().parse_args(["--data", tiny_data, "--output-dir", out, *TRAIN_ARGS, "--epochs",
@@ -311,7 +304,7 @@ def test_tensorboard_that_cannot_write_costs_the_curves_not_the_run(tiny_data, t
 
 def test_tensorboard_missing_stops_before_any_work(tiny_data, tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(__import__("sys").modules, "torch.utils.tensorboard", None)  # as if not installed
-    line = _main_fails(["--data", tiny_data, "--output-dir", str(tmp_path / "out"), *TRAIN_ARGS, "--tensorboard"],
+    line = main_fails(["--data", tiny_data, "--output-dir", str(tmp_path / "out"), *TRAIN_ARGS, "--tensorboard"],
                        capsys)
     assert line == "main.py: error: --tensorboard needs TensorBoard, which is not installed: pip install tensorboard"
     assert not os.path.exists(tmp_path / "out")
@@ -325,7 +318,7 @@ def test_tensorboard_missing_stops_before_any_work(tiny_data, tmp_path, monkeypa
     (["-e", "--resume", "x.pth", "--tensorboard"], "--tensorboard draws training's curves; -e writes eval.json"),
 ])
 def test_weights_and_tensorboard_flags_that_cannot_work(tiny_data, tmp_path, extra, expect, capsys):
-    line = _main_fails(["--data", tiny_data, "--output-dir", str(tmp_path / "out"), *TRAIN_ARGS, *extra], capsys)
+    line = main_fails(["--data", tiny_data, "--output-dir", str(tmp_path / "out"), *TRAIN_ARGS, *extra], capsys)
     assert expect in line, line
 
 

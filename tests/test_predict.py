@@ -1,7 +1,5 @@
 """predict.py as a user runs it: any images in, one prediction each at its size; bad input named; torchrun
 shares the images out; the ONNX export computes what PyTorch computes."""
-import errno
-import hashlib
 import os
 import subprocess
 import sys
@@ -13,9 +11,8 @@ import torch
 from PIL import Image
 
 from harness import checkpoints
-from conftest import ROOT, TRAIN_ARGS, free_port, run
+from conftest import ROOT, TRAIN_ARGS, fingerprint, free_port, no_space, run, varied_model
 from dataset import CLASS_COLORS, TRAINID_TO_ID
-from test_inference import varied_model
 import predict
 
 PY = sys.executable
@@ -49,15 +46,6 @@ def write_images(folder, broken=True):
     if broken:
         with open(os.path.join(folder, "broken.png"), "wb") as f:
             f.write(b"\x89PNG\r\n\x1a\n" + b"\x00" * 40)
-
-
-def fingerprint(folder):
-    found = {}
-    for place, _, names in os.walk(folder):
-        for name in names:
-            with open(os.path.join(place, name), "rb") as f:
-                found[os.path.relpath(os.path.join(place, name), folder)] = hashlib.sha1(f.read()).hexdigest()
-    return found
 
 
 @pytest.fixture(scope="module")
@@ -149,9 +137,6 @@ def test_mistakes_end_in_one_line(checkpoint, tmp_path, capsys):
 def test_a_full_disk_ends_in_one_line(checkpoint, tmp_path, monkeypatch, capsys):
     inputs = str(tmp_path / "photos")
     write_images(inputs, broken=False)
-
-    def no_space(*args, **kwargs):
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
     monkeypatch.setattr(Image.Image, "save", no_space)
     line = _fails(["--resume", checkpoint, inputs, "--output-dir", str(tmp_path / "out"), "-j", "0"], capsys)
     assert line == (f"predict.py: error: cannot write in --output-dir {tmp_path / 'out'} (no space left on device): "
