@@ -3,6 +3,7 @@ import errno
 import fcntl
 import hashlib
 import itertools
+import json
 import multiprocessing
 import os
 import re
@@ -173,6 +174,24 @@ def free_port():
             return port
 
 
+def cpu_env(**more):
+    """The environment for a program a test starts: os.environ as the suite set it (pytest_configure), on the CPU
+    with one thread a process, and more."""
+    return {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", **more}
+
+
+def metrics(out):
+    """OUTPUT_DIR/metrics.jsonl's records."""
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def checkpoint_of(out, name="checkpoint.pth"):
+    """OUTPUT_DIR/name, loaded as main.py loads one."""
+    import torch
+    return torch.load(os.path.join(out, name), map_location="cpu", weights_only=True)
+
+
 def fingerprint(folder):
     """{path relative to folder: sha1} of every file under folder: what a test compares before and after."""
     found = {}
@@ -236,7 +255,7 @@ def varied_model(seed=0):
 
 def run(command, env=None, timeout=240, cwd=ROOT):
     """Run a command (in the repository root), on the CPU with one thread per process; fail with its output."""
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", **(env or {})}
+    full_env = cpu_env(**(env or {}))
     result = subprocess.run(command, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
     assert result.returncode == 0, f"{command} exited {result.returncode}:\n{result.stdout}\n{result.stderr}"
     return result.stdout + result.stderr

@@ -1,6 +1,8 @@
 """main.py under each launcher, and run.sh end to end, as a user runs them (subprocesses, gloo, CPU)."""
 import json
 import os
+import pathlib
+import re
 import shutil
 import subprocess
 import sys
@@ -8,7 +10,8 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT, SLOW_ARGS, TRAIN_ARGS, finish_ranks, fork_ranks, free_port, run, run_sh_workers_line
+from conftest import (ROOT, SLOW_ARGS, TRAIN_ARGS, built_once, checkpoint_of, finish_ranks, fork_ranks, free_port,
+                      metrics, run, run_sh_workers_line)
 import main
 from harness import job
 
@@ -22,54 +25,100 @@ def test_local_rank_from_either_flag_or_environment():
     assert parse([]) is None  # torchrun: the environment only, which main() reads (Step 1, continued)
 
 
-def _metrics(out):
-    with open(os.path.join(out, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
 
-
-def _manual_launch(out, data):
-    """The pre-torchrun way: a process per rank, MASTER_ADDR/PORT, RANK, WORLD_SIZE, and --local_rank."""
+def _manual_launch(argv):
+    """The pre-torchrun way: a process per rank, MASTER_ADDR/PORT, RANK, WORLD_SIZE, and --local_rank. -> what
+    rank 0 said (the others say nothing but their errors)."""
     port = str(free_port())
     procs = []
     for rank in range(2):
         env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "MASTER_ADDR": "127.0.0.1",
                "MASTER_PORT": port, "RANK": str(rank), "WORLD_SIZE": "2"}
         env.pop("LOCAL_RANK", None)
-        procs.append(subprocess.Popen([PY, "main.py", f"--local_rank={rank}", "--data", data, "--output-dir", out,
-                                       "--epochs", "1", *TRAIN_ARGS], cwd=main.__file__.rsplit("/", 1)[0], env=env,
+        procs.append(subprocess.Popen([PY, "main.py", f"--local_rank={rank}", *argv], cwd=ROOT, env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     outputs = [p.communicate(timeout=240)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), outputs
     return outputs[0]
 
 
-@pytest.mark.parametrize("form", ["launch", "local_rank", "plain"])  # torchrun: run.sh's tests and test_lesson.py
-def test_each_launch_form_trains_and_evaluates(form, tiny_data, tmp_path, capsys):
+def _files(folder):
+    """{name: its bytes} of each file in folder."""
+    return {name: (pathlib.Path(folder) / name).read_bytes() for name in os.listdir(folder)}
+
+
+def _one_epoch(data, out, predictions):
+    """main.py's arguments in each launch form: an epoch on tiny_data, the val predictions saved (each rank writes
+    its own share's)."""
+    return ["--data", data, "--output-dir", out, "--epochs", "1", *TRAIN_ARGS, "--save-predictions", predictions]
+
+
+@pytest.fixture(scope="module")
+def two_agreeing_ranks(tiny_data, tmp_path_factory):
+    """The two-rank forms' reference, made once for the whole run (conftest.built_once): the same run in two forked
+    ranks (a launcher's variables, no launcher), each rank's model kept as it is evaluated, and shown to be the same
+    on both. -> its checkpoint's model."""
+    def run_and_keep_each_rank_s_model(folder):
+        evaluate = main.validate
+
+        def validate(model, *args, **kwargs):
+            torch.save(model.state_dict(), os.path.join(folder, f"rank_{torch.distributed.get_rank()}.pth"))
+            return evaluate(model, *args, **kwargs)
+        with pytest.MonkeyPatch.context() as patch:  # (the forks inherit it)
+            patch.setattr(main, "validate", validate)
+            finish_ranks(fork_ranks(_one_epoch(tiny_data, os.path.join(folder, "out"),
+                                               os.path.join(folder, "predictions")), os.path.join(folder, "logs")))
+    folder = built_once(tmp_path_factory, "two_agreeing_ranks", run_and_keep_each_rank_s_model)
+    ranks = [torch.load(os.path.join(folder, f"rank_{rank}.pth"), weights_only=True) for rank in range(2)]
+    different = [name for name in ranks[0] if not torch.equal(ranks[0][name], ranks[1][name])]
+    assert not different, f"the ranks evaluated different models: {len(different)} tensors, e.g. {different[:3]}"
+    return checkpoint_of(os.path.join(folder, "out"))["model"]
+
+
+# torchrun: run.sh's tests and test_lesson.py. The plain form starts nothing: in this process.
+@pytest.mark.parametrize("form", [pytest.param("launch", marks=pytest.mark.launch),
+                                  pytest.param("local_rank", marks=pytest.mark.launch), "plain"])
+def test_each_launch_form_trains_and_evaluates(form, tiny_data, tmp_path, capsys, request):
     """Each way of starting main.py, the launcher being the point: torch.distributed.launch and a process per rank
-    by hand start real processes; the plain form runs main.main in this process."""
-    out = str(tmp_path / "out")
-    common = ["main.py", "--data", tiny_data, "--output-dir", out, "--epochs", "1", *TRAIN_ARGS]
+    by hand start real processes; the plain form runs main.main in this process. Trains: an epoch recorded, and
+    with two ranks, bitwise the model of two forked ranks that evaluated the same model (the ranks agree).
+    Evaluates: the mIoU printed is the one recorded, and the checkpoint, evaluated again here in one process, gives
+    that mIoU and every val image's prediction byte for byte: every rank's share was evaluated and counted."""
+    out, predictions = str(tmp_path / "out"), str(tmp_path / "predictions")
+    common = ["main.py", *_one_epoch(tiny_data, out, predictions)]
     port = f"--master_port={free_port()}"
     if form == "torchrun":
         log = run([PY, "-m", "torch.distributed.run", "--nproc_per_node=2", port, *common])
     elif form == "launch":  # deprecated, passes --local-rank=N
         log = run([PY, "-m", "torch.distributed.launch", "--nproc_per_node=2", port, *common])
     elif form == "local_rank":
-        log = _manual_launch(out, tiny_data)
+        log = _manual_launch(common[1:])
     else:  # python main.py: no launcher, no process group (in this process: the same code, no start-up to wait for)
         main.main(main.get_args_parser().parse_args(common[1:]))
         log = capsys.readouterr().out
     world_size = 1 if form == "plain" else 2
     assert f"{world_size} process(es)" in log
-    [record] = _metrics(out)
+    [record] = metrics(out)
     assert record["world_size"] == world_size and record["epoch"] == 0
-    assert os.path.isfile(os.path.join(out, "checkpoint.pth"))
+    if world_size == 2:
+        mine, reference = checkpoint_of(out)["model"], request.getfixturevalue("two_agreeing_ranks")
+        different = [name for name in reference if not torch.equal(mine[name], reference[name])]
+        assert mine.keys() == reference.keys() and not different, f"{len(different)} tensors differ: {different[:3]}"
+    assert re.findall(r"^epoch 0: .* mIoU (\S+) \(best", log, re.MULTILINE) == [f"{record['miou']:.4f}"], log
+    assert 0 <= record["miou"] <= 1
+    again = str(tmp_path / "again")
+    main.main(main.get_args_parser().parse_args(["--data", tiny_data, "--output-dir", out, *TRAIN_ARGS, "-e",
+                                                 "--resume", os.path.join(out, "checkpoint.pth"),
+                                                 "--save-predictions", again]))
+    with open(os.path.join(out, "eval.json")) as f:
+        result = json.load(f)
+    assert result["num_images"] == 5 and result["miou"] == record["miou"]
+    written = _files(predictions)
+    assert len(written) == 5 and written == _files(again)
 
 
-def _checkpoint(out):
-    return torch.load(os.path.join(out, "checkpoint.pth"), map_location="cpu", weights_only=True)
 
-
+@pytest.mark.launch
 def test_run_sh_resumes_by_itself_bitwise_where_a_run_left_off_and_evaluates_its_checkpoint(data24, straight,
                                                                                              tmp_path, monkeypatch):
     """run.sh's launch is the point. A job of --epochs 2 that ended after epoch 0 leaves what the straight run
@@ -78,7 +127,7 @@ def test_run_sh_resumes_by_itself_bitwise_where_a_run_left_off_and_evaluates_its
     straight run's weights and metrics; evaluated (-e) on two ranks, that checkpoint gives the same mIoU. (A first
     run.sh of --epochs 1 could not be compared: its poly schedule spans one epoch, its learning rates are another
     run's. run.sh starting from nothing is the demo's test.)"""
-    records = _metrics(straight)  # the straight run began from nothing: what such a run writes
+    records = metrics(straight)  # the straight run began from nothing: what such a run writes
     assert [r["epoch"] for r in records] == [0, 1]
     for name in ("checkpoint.pth", "best.pth", "vis/epoch_000.png"):
         assert os.path.isfile(os.path.join(straight, name)), name
@@ -87,12 +136,12 @@ def test_run_sh_resumes_by_itself_bitwise_where_a_run_left_off_and_evaluates_its
     shutil.copy(os.path.join(straight, "checkpoint.prev.pth"), os.path.join(out, "checkpoint.pth"))
     with open(os.path.join(straight, "metrics.jsonl")) as f, open(os.path.join(out, "metrics.jsonl"), "w") as g:
         g.write(f.readline())
-    assert _checkpoint(out)["epoch"] == 1 and _checkpoint(out)["step"] == 0
+    assert checkpoint_of(out)["epoch"] == 1 and checkpoint_of(out)["step"] == 0
     env = {"DATA": data24, "OUTPUT_DIR": out, "NPROC": "2", "MASTER_PORT": str(free_port())}
     log = run(["./run.sh", "--epochs", "2", *SLOW_ARGS], env=env)  # no --resume: run.sh resumes by itself
     assert "2 process(es), backend gloo" in log
     assert "resuming from" in log and "at the start of epoch 1" in log
-    records = _metrics(out)
+    records = metrics(out)
     assert [r["epoch"] for r in records] == [0, 1]  # continued at epoch 1, did not redo epoch 0
     assert records[1]["lr"] < records[0]["lr"]  # the poly schedule continued too
     for key in ("train_loss", "lr", "miou", "iou", "train_img_per_s", "epoch_time_s"):
@@ -100,11 +149,11 @@ def test_run_sh_resumes_by_itself_bitwise_where_a_run_left_off_and_evaluates_its
     assert set(records[1]["iou"]) >= {"road", "car", "sky"}
     for name in ("checkpoint.pth", "vis/epoch_001.png"):
         assert os.path.isfile(os.path.join(out, name)), name
-    mine, reference = _checkpoint(out)["model"], _checkpoint(straight)["model"]
+    mine, reference = checkpoint_of(out)["model"], checkpoint_of(straight)["model"]
     assert mine.keys() == reference.keys()
     different = [k for k in reference if not torch.equal(mine[k], reference[k])]
     assert not different, f"{len(different)} tensors differ, e.g. {different[:3]}"
-    for record, straight_record in zip(records, _metrics(straight), strict=True):
+    for record, straight_record in zip(records, metrics(straight), strict=True):
         for key in ("epoch", "train_loss", "lr", "miou", "iou"):
             assert record[key] == straight_record[key], key
 
@@ -127,6 +176,7 @@ def test_run_sh_resumes_by_itself_bitwise_where_a_run_left_off_and_evaluates_its
     assert len(names) == 3 and all(n.endswith("_pred_labelIds.png") for n in names)
 
 
+@pytest.mark.launch
 def test_run_sh_without_data_writes_synthetic_set_and_trains(tmp_path):
     """A launch, run.sh's demo being the point. Run from a folder with no data/cityscapes and DATA not set: the demo,
     its paths relative to that folder (OUTPUT_DIR set, to keep the test small, is too; not ASCII, under the C
@@ -138,8 +188,8 @@ def test_run_sh_without_data_writes_synthetic_set_and_trains(tmp_path):
                "--model", "deeplabv3plus_mobilenet_tiny"], env=env, cwd=str(tmp_path))  # 9 steps
     assert "no Cityscapes in data/cityscapes" in log
     assert os.path.isdir(tmp_path / "data" / "cityscapes_synthetic" / "leftImg8bit" / "test")
-    assert [r["epoch"] for r in _metrics(str(tmp_path / "ausgabe-über"))] == [0]
-    args = _checkpoint(str(tmp_path / "ausgabe-über"))["args"]
+    assert [r["epoch"] for r in metrics(str(tmp_path / "ausgabe-über"))] == [0]
+    args = checkpoint_of(str(tmp_path / "ausgabe-über"))["args"]
     assert (args["model"], args["crop_size"], args["lr"], args["pretrained_backbone"]) == (
         "deeplabv3plus_mobilenet_tiny", [16], 0.05, "none"), args
     # DATA named on purpose, holding nothing: main.py's check on it, not the demo. A stand-in for Python records what
@@ -156,6 +206,7 @@ def test_run_sh_without_data_writes_synthetic_set_and_trains(tmp_path):
     assert check.endswith(" --check-only 2"), check
 
 
+@pytest.mark.launch
 def test_two_nodes_train_together_and_match_one_node(data24, straight, tmp_path):
     """run.sh's multi-node form: two launchers on this machine, each a node with one gloo worker, meet at
     the c10d rendezvous and produce bitwise the checkpoint of one node with two processes."""
@@ -175,9 +226,10 @@ def test_two_nodes_train_together_and_match_one_node(data24, straight, tmp_path)
     reference = torch.load(os.path.join(straight, "checkpoint.pth"), weights_only=True)
     assert mine["epoch"] == reference["epoch"] == 2
     assert all(torch.equal(mine["model"][k], reference["model"][k]) for k in reference["model"])
-    assert [r["miou"] for r in _metrics(out)] == [r["miou"] for r in _metrics(straight)]
+    assert [r["miou"] for r in metrics(out)] == [r["miou"] for r in metrics(straight)]
 
 
+@pytest.mark.launch
 def test_run_sh_starts_the_python_PYTHON_names_and_says_in_python_s_words_why_it_cannot(tiny_data, tmp_path):
     """run.sh's own lines are the point: each case is a launch of it. The suite's PATH holds no Python and PYTHON
     names the one running pytest (conftest). Without PYTHON, its default `python` is found nowhere: one line says so,
@@ -219,6 +271,7 @@ def test_run_sh_starts_the_python_PYTHON_names_and_says_in_python_s_words_why_it
     assert not os.path.exists(tmp_path / "out")
 
 
+@pytest.mark.launch
 @pytest.mark.parametrize("gpus, per_gpu, accum_steps", [(1, 8, 2), (2, 8, 1), (4, 4, 1), (8, 2, 1)])
 def test_run_sh_keeps_the_recipes_global_batch_on_1_to_8_gpus(gpus, per_gpu, accum_steps, tiny_data, tmp_path):
     """run.sh as a machine with that many GPUs runs it, a stand-in for Python recording what run.sh starts: one
@@ -236,6 +289,7 @@ def test_run_sh_keeps_the_recipes_global_batch_on_1_to_8_gpus(gpus, per_gpu, acc
     assert f"-b {per_gpu} --accum-steps {accum_steps}" in launch and per_gpu * gpus * accum_steps == 16, launch
 
 
+@pytest.mark.launch
 def test_run_sh_starts_no_torchrun_on_one_node_when_its_check_finds_nothing_to_train(tiny_data, tmp_path):
     """main.py's check exits 3 when the run it would resume has finished (test_mistakes): run.sh then ends there,
     exit 0, on one node; on two it starts torchrun, whose workers compare what each node resumes from. A stand-in
@@ -255,6 +309,7 @@ def test_run_sh_starts_no_torchrun_on_one_node_when_its_check_finds_nothing_to_t
         assert len(lines) == len(started) and all(part in line for part, line in zip(started, lines)), lines
 
 
+@pytest.mark.launch
 def test_run_sh_refuses_a_stop_status_that_is_no_exit_status(tmp_path):
     env = {**os.environ, "STOP_STATUS": "256", "CUDA_VISIBLE_DEVICES": "", "DATA": str(tmp_path / "data"),
            "OUTPUT_DIR": str(tmp_path / "out")}  # (a run.sh that did not check it would stop at the empty DATA)

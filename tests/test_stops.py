@@ -14,9 +14,8 @@ import torch
 import dataset
 import main
 from harness import checkpoints, job, stops
-from conftest import ROOT, TRAIN_ARGS, fork_main, free_port, processes_mentioning, wait_in_file
+from conftest import ROOT, TRAIN_ARGS, cpu_env, fork_main, free_port, processes_mentioning, wait_in_file
 
-CPU_ENV = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
 
 
 def _train(argv):
@@ -110,7 +109,7 @@ def _wait_for_process(text, *more, timeout=60):
 def test_ctrl_c_while_run_sh_prepares_says_so_in_one_line_and_leaves_nothing(moment, tiny_data, tmp_path):
     out, synthetic = str(tmp_path / "out"), str(tmp_path / "synthetic")
     # Writing the synthetic set: run where there is no data/cityscapes, DATA not set (the demo's case).
-    env = {**CPU_ENV, "OUTPUT_DIR": out, "SYNTHETIC": synthetic} | ({} if moment.startswith("writing") else
+    env = {**cpu_env(), "OUTPUT_DIR": out, "SYNTHETIC": synthetic} | ({} if moment.startswith("writing") else
                                                                    {"DATA": tiny_data})
     marker = {"counting the GPUs": "time.sleep(600)", "writing the synthetic set": "synthetic.py"}.get(moment,
                                                                                                      "--check-only")
@@ -158,7 +157,7 @@ def test_a_stop_to_the_whole_process_group_saves_and_exits_0(data24, tmp_path):
 @pytest.mark.launch
 def test_gpu_check_stopped_stops_the_commands_it_started(tmp_path):
     out = str(tmp_path / "check")
-    process = _start_in_its_own_group([sys.executable, "tests/gpu_check.py", "--dry-run", "--out", out], CPU_ENV)
+    process = _start_in_its_own_group([sys.executable, "tests/gpu_check.py", "--dry-run", "--out", out], cpu_env())
     _wait_for_process(os.path.join(out, "work", "full"))  # synthetic.py writing the step's data
     process.send_signal(signal.SIGTERM)
     output = process.communicate(timeout=60)[0]
@@ -174,7 +173,7 @@ def test_waits_for_other_nodes_and_processes_say_what_they_wait_for(tiny_data, t
     says within seconds what it waits for, where, and when it gives up; run.sh stopped then stops at once."""
     port, alone_port = str(free_port()), str(free_port())
     node = _start_in_its_own_group(["./run.sh", "--epochs", "1", *TRAIN_ARGS], {
-        **CPU_ENV, "DATA": tiny_data, "OUTPUT_DIR": str(tmp_path / "nodes"), "NPROC": "1", "NNODES": "2",
+        **cpu_env(), "DATA": tiny_data, "OUTPUT_DIR": str(tmp_path / "nodes"), "NPROC": "1", "NNODES": "2",
         "NODE_RANK": "0", "MASTER_PORT": port, "RDZV_ID": f"wait{port}"})
     # The two ranks started by hand are forked copies of this process (main.py's waits are the point, not a fresh
     # interpreter's start).
@@ -269,7 +268,7 @@ def test_the_slurm_script_saves_at_the_time_limit_requeues_itself_and_goes_on(da
                                         f'else echo "$*" >> {asked}; fi\n')
     for name in ("srun", "scontrol"):
         (stand_ins / name).chmod(0o755)
-    env = {**CPU_ENV, "PATH": f"{stand_ins}{os.pathsep}{os.environ['PATH']}", "SLURM_JOB_ID": "4242",
+    env = {**cpu_env(), "PATH": f"{stand_ins}{os.pathsep}{os.environ['PATH']}", "SLURM_JOB_ID": "4242",
            "SLURM_NNODES": "1", "SLURM_JOB_NODELIST": "localhost"}
     job = _start_in_its_own_group(["bash", str(tmp_path / "job.sh")], env, cwd=str(tmp_path))
     seen = []
