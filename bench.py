@@ -499,7 +499,7 @@ def data_section(tmp, quick, figures=None):
 def gpu_step_rate(dtype, channels_last, compile_model, batch, crop, steps, warmup, device="cuda",
                   model_name="deeplabv3plus_resnet101"):
     """images/s, peak GiB and warm-up seconds of the bare training step (the model alone: random images already
-    on the device). device "cpu": the same measure on the CPU (tests/gpu_check.sh --dry-run)."""
+    on the device). device "cpu": the same measure on the CPU (tests/tools/gpu_check.sh --dry-run)."""
     torch.manual_seed(0)
     model = build_model(model_name, NUM_CLASSES).to(device).train()
     memory_format = torch.channels_last if channels_last else torch.contiguous_format

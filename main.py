@@ -15,9 +15,9 @@ A fourth, CUDA_VISIBLE_DEVICES=0,1 ./run.sh, runs torchrun (one process per visi
 The lesson is this file with its harness taken out: every statement that names the package harness/, each marked
 "harness". What remains (Steps 1-4, the training step with gradient accumulation, the exact evaluation, saving a
 checkpoint and resuming from one) runs on torch, models.py and dataset.py (which reads files through images.py):
-`python tests/lesson.py` prints it, and the tests run it. The harness attaches what a real run needs beside it:
-every mistake found before any work and said in one line, a stop that saves where the ranks are, a lost peer named,
---resume auto, metrics and pictures.
+`python tests/tools/lesson.py` prints it (docs/lesson.py), and the tests run it. The harness attaches what a real run
+needs beside it: every mistake found before any work and said in one line, a stop that saves where the ranks are,
+a lost peer named, --resume auto, metrics and pictures.
 
 What the lesson asks of a data set and a model, all of it. A data set and a model of your own replace dataset.py
 and models.py, and nothing else changes. Both are made on the CPU (touch no CUDA: Step 1 comes after them).

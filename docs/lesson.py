@@ -1,4 +1,4 @@
-# The lesson: main.py without its harness, as `python tests/lesson.py` prints it. Copy it to start.
+# The lesson: main.py without its harness (`python tests/tools/lesson.py` prints it). Copy it to start.
 """Train DeepLab (V3, V3+) on Cityscapes, or your own data, with DistributedDataParallel: the DDP tutorial's four
 steps with its holes fixed, each marked "Step N". The tutorial is the widely read guide to DDP on one machine with
 several GPUs: 1. a --local_rank argument, 2. init_process_group(backend="nccl"), 3. DistributedDataParallel(model,

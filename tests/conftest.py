@@ -21,6 +21,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "tests", "tools"))  # lesson.py, gpu_check.py: the tests read them too
 
 from synthetic import write_synthetic  # noqa: E402
 

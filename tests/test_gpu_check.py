@@ -1,4 +1,4 @@
-"""tests/gpu_check.sh cannot drift: every command it runs parses with its program's own parser (GPU and dry-run
+"""tests/tools/gpu_check.sh cannot drift: every command it runs parses with its program's own parser (GPU and dry-run
 sizes alike), its first step (the device and the data) runs, and a stop ends every command it started. The rest
 runs on a GPU, or with --dry-run."""
 import json
@@ -13,7 +13,7 @@ import pytest
 
 from conftest import ROOT, processes_mentioning
 
-sys.path.insert(0, os.path.join(ROOT, "tests"))
+sys.path.insert(0, os.path.join(ROOT, "tests", "tools"))
 import gpu_check  # noqa: E402
 
 
@@ -40,7 +40,7 @@ def test_every_command_parses_with_its_programs_parser(mode, tmp_path):
 @pytest.mark.launch
 def test_its_first_step_runs(tmp_path):
     out = str(tmp_path / "check")
-    result = subprocess.run(["bash", "tests/gpu_check.sh", "--dry-run", "--first-step-only", "--out", out], cwd=ROOT,
+    result = subprocess.run(["bash", "tests/tools/gpu_check.sh", "--dry-run", "--first-step-only", "--out", out], cwd=ROOT,
                             env={**os.environ, "CUDA_VISIBLE_DEVICES": ""}, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
     with open(os.path.join(out, "gpu_check.json")) as f:

@@ -159,7 +159,7 @@ def test_run_sh_resumes_by_itself_bitwise_where_a_run_left_off_and_evaluates_its
 
     # Evaluated on the line run.sh gives its two workers for -e (its -b and --accum-steps first), in forked ranks,
     # after run.sh's check of that line (--check-only 2, DEEPLAB_RUN_SH set, as run.sh runs it) in this process.
-    # `./run.sh -e --resume ...` itself, as the README writes it, is run by the docs walk (tests/walk_docs.py).
+    # `./run.sh -e --resume ...` itself, as the README writes it, is run by the docs walk (tests/tools/walk_docs.py).
     predictions = str(tmp_path / "predictions")
     evaluation = run_sh_workers_line(data24, out, "-e", "--resume", os.path.join(out, "checkpoint.pth"),
                                      "--save-predictions", predictions, *TRAIN_ARGS)

@@ -1,4 +1,4 @@
-"""main.py's lesson lifts whole: with its harness taken out (tests/lesson.py), it runs on torch, models.py and
+"""main.py's lesson lifts whole: with its harness taken out (tests/tools/lesson.py), it runs on torch, models.py and
 dataset.py alone, in a folder that holds nothing else of the project; and on a data set and a model written from
 its docstring's contract alone, it trains, evaluates each val image once, saves and resumes bitwise."""
 import ast

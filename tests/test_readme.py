@@ -6,12 +6,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def test_readme_step_tables_point_at_the_marked_steps_in_main_py_and_the_printed_lesson():
     """Each row of both step tables links to its step's marks in main.py and in docs/lesson.py, which is the lesson
-    tests/lesson.py prints now (python tests/lesson.py --write makes it anew)."""
+    tests/tools/lesson.py prints now (python tests/tools/lesson.py --write makes it anew)."""
     import lesson
     with open(os.path.join(ROOT, "main.py")) as f:
         source = f.read()
     with open(lesson.PRINTED) as f:
-        assert f.read() == lesson.PRINTED_NOTE + lesson.strip(source)[0], "run: python tests/lesson.py --write"
+        assert f.read() == lesson.PRINTED_NOTE + lesson.strip(source)[0], "run: python tests/tools/lesson.py --write"
     with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
         readme = f.read()
     rows = [line for line in readme.splitlines() if re.match(r"\| [1-4]\. ", line)]

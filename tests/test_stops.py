@@ -157,7 +157,7 @@ def test_a_stop_to_the_whole_process_group_saves_and_exits_0(data24, tmp_path):
 @pytest.mark.launch
 def test_gpu_check_stopped_stops_the_commands_it_started(tmp_path):
     out = str(tmp_path / "check")
-    process = _start_in_its_own_group([sys.executable, "tests/gpu_check.py", "--dry-run", "--out", out], cpu_env())
+    process = _start_in_its_own_group([sys.executable, "tests/tools/gpu_check.py", "--dry-run", "--out", out], cpu_env())
     _wait_for_process(os.path.join(out, "work", "full"))  # synthetic.py writing the step's data
     process.send_signal(signal.SIGTERM)
     output = process.communicate(timeout=60)[0]

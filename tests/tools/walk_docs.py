@@ -4,9 +4,9 @@ writes. Commands that need what this machine has not (GPUs, several machines, Sl
 listed below as skipped, with the reason; a command in the docs that the walk does not know fails it, and so
 does a command of the walk that the docs no longer have: the two cannot drift apart.
 
-    python tests/walk_docs.py              # all of it: 3.5 to 6 minutes on 2 cores (.ci/run runs it)
-    python tests/walk_docs.py --list       # the commands, in order, and what the walk does with each
-    python tests/walk_docs.py --keep DIR   # walk in DIR and leave it there, to look at what was written
+    python tests/tools/walk_docs.py              # all of it: 3.5 to 6 minutes on 2 cores (.ci/run runs it)
+    python tests/tools/walk_docs.py --list       # the commands, in order, and what the walk does with each
+    python tests/tools/walk_docs.py --keep DIR   # walk in DIR and leave it there, to look at what was written
 
 Where the docs allow it (arguments after ./run.sh go to main.py), the demo trains 2 epochs instead of 7, the
 fine-tuning on your own data 1 instead of 3, and TensorBoard's run 1 epoch of models.py's tiny model (its curves are
@@ -30,7 +30,7 @@ import threading
 import time
 from types import SimpleNamespace
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SKIP_REAL = "needs the real Cityscapes in data/cityscapes, which cannot be downloaded here"
 SKIP_GPU = "needs CUDA GPUs"
 
@@ -188,7 +188,8 @@ def walk(folder):
     env.pop("DEEPLAB_RUN_SH", None)
     unknown = [(page, command) for page in pages(folder) for command in commands(folder, page)
                if command != SLURM and command not in WALK]
-    assert not unknown, "commands in the docs that the walk does not know (add them to tests/walk_docs.py WALK):\n" \
+    assert not unknown, "commands in the docs that the walk does not know (add them to tests/tools/walk_docs.py's " \
+        "WALK):\n" \
         + "\n".join(f"  {page}: {command}" for page, command in unknown)
     seen = {command for page in pages(folder) for command in commands(folder, page)}
     gone = [command for command in WALK if command not in seen]
@@ -335,7 +336,7 @@ def copy_project(target):
 
 
 def main():
-    parser = argparse.ArgumentParser(prog="tests/walk_docs.py", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="tests/tools/walk_docs.py", description=__doc__.split("\n")[0])
     parser.add_argument("--list", action="store_true", help="the commands in order and what the walk does with each")
     parser.add_argument("--keep", metavar="DIR", help="walk in DIR (new or empty) and leave it there (every process "
                         "working in DIR is killed when a command runs past its time and when the walk ends: keep no "

@@ -4,9 +4,9 @@ program, finished: Steps 1-4, the training step with gradient accumulation, the 
 checkpoint and resuming from one with --resume PATH, on torch, models.py and dataset.py (which reads files through
 images.py) alone.
 
-    python tests/lesson.py                 # prints it, with a note of what was taken out (on stderr)
-    python tests/lesson.py > my_ddp.py     # to read it beside the tutorial, or to start a project from it
-    python tests/lesson.py --write         # docs/lesson.py anew, which the README's step table links to
+    python tests/tools/lesson.py                 # prints it, with a note of what was taken out (on stderr)
+    python tests/tools/lesson.py > my_ddp.py     # to read it beside the tutorial, or to start a project from it
+    python tests/tools/lesson.py --write         # docs/lesson.py anew, which the README's step table links to
 
 The rule, in full: the harness is what comes from harness/. A statement is taken out when it names such a module
 (as main.py imports it) or name; a compound statement (if, for, with, def) when its header does, else what is
@@ -19,10 +19,11 @@ import ast
 import os
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 HARNESS = "harness"  # the package: whatever comes from it is the harness
 PRINTED = os.path.join(ROOT, "docs", "lesson.py")  # the lesson, to read and link to (tests/test_readme.py: current)
-PRINTED_NOTE = "# The lesson: main.py without its harness, as `python tests/lesson.py` prints it. Copy it to start.\n"
+PRINTED_NOTE = ("# The lesson: main.py without its harness (`python tests/tools/lesson.py` prints it). Copy it to "
+                "start.\n")
 
 
 def _from_harness(module):
@@ -143,7 +144,7 @@ def main():
             f.write(PRINTED_NOTE + lesson)
     else:
         sys.stdout.write(lesson)
-    print(f"# tests/lesson.py: {len(taken)} statements of main.py's harness taken out (lines "
+    print(f"# tests/tools/lesson.py: {len(taken)} statements of main.py's harness taken out (lines "
           f"{', '.join(str(first) if first == last else f'{first}-{last}' for first, last, _ in taken)})",
           file=sys.stderr)
 

@@ -1,8 +1,8 @@
-"""The GPU path in one short call (tests/gpu_check.sh runs this): what the CPU suite cannot show, on one GPU.
+"""The GPU path in one short call (tests/tools/gpu_check.sh runs this): what the CPU suite cannot show, on one GPU.
 
-    bash tests/gpu_check.sh [--out DIR]       # on a GPU machine: within 5 minutes, data included
-    bash tests/gpu_check.sh --dry-run         # every step on the CPU at tiny sizes, to prove the script first
-    bash tests/gpu_check.sh --plan            # the commands it would run, without running them
+    bash tests/tools/gpu_check.sh [--out DIR]       # on a GPU machine: within 5 minutes, data included
+    bash tests/tools/gpu_check.sh --dry-run         # every step on the CPU at tiny sizes, to prove the script first
+    bash tests/tools/gpu_check.sh --plan            # the commands it would run, without running them
 
 Each step writes its result into DIR/gpu_check.json as it ends (a step that fails records false and why, and
 the next one runs), and says it in one line. The rates run one at a time, alone; the checks after them time
@@ -38,7 +38,7 @@ import tempfile
 import threading
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PY = sys.executable
 SMALL_MODEL = "deeplabv3plus_mobilenet_v3_large"
 
@@ -259,7 +259,7 @@ def plan(sizes, tmp, dry):
 
 
 def main():
-    parser = argparse.ArgumentParser(prog="tests/gpu_check.sh", description="the GPU checks, in one short call")
+    parser = argparse.ArgumentParser(prog="tests/tools/gpu_check.sh", description="the GPU checks, in one short call")
     parser.add_argument("--dry-run", action="store_true", help="every step on the CPU at tiny sizes")
     parser.add_argument("--out", default=None, help="where gpu_check.json and the logs go (default: a new folder)")
     parser.add_argument("--plan", action="store_true", help="print the commands, run nothing")
