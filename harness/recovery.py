@@ -109,6 +109,12 @@ def _begin(program, args):
     launcher's variables read, a torchrun restart of a job stopped on a mistake ended at once, the stop signals
     installed."""
     job.begin_run()  # every field of job.RUN afresh: a second run in one process (bench.py's, the tests') too
+    # A stream that cannot encode a character (PYTHONIOENCODING=ascii, an old cluster's profile) would raise
+    # UnicodeEncodeError from a print of a path or a class name, mid-run: such a character is written as its escape
+    # (\xe9, \u0434) instead.
+    for stream in (sys.stdout, sys.stderr):
+        if hasattr(stream, "reconfigure"):  # (a TextIOWrapper; not a stream replaced by one of another kind)
+            stream.reconfigure(errors="backslashreplace")
     RUN.guard = job.Guard(program=program, args=args,
                           output_dir=getattr(args, "output_dir", None) if program == "main.py" else None)
     # At exit the interpreter's garbage collections walk every object torch and torchvision made. It costs about 2 s
