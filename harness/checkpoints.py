@@ -21,6 +21,8 @@ import functools
 import json
 import math
 import os
+import pickle
+import pickletools
 import zipfile
 from dataclasses import dataclass
 
@@ -102,9 +104,9 @@ def read(flag, path):
         checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
     except Exception as error:
         # torch's own advice for what weights_only refuses (load it with weights_only=False) is not ours to give.
-        if "Unsupported global" in str(error):  # a pickle of Python objects: code, not data
+        if isinstance(error, pickle.UnpicklingError) and _pickle_is_whole(path):  # objects, code: refused, not damaged
             fail(f"{flag} {path} holds Python objects beyond plain data, which torch.load(weights_only=True) refuses: "
-                 "it is not a checkpoint main.py wrote")
+                 "not loaded; it is not a checkpoint main.py wrote")
         why = "not a PyTorch file" if "Weights only load failed" in str(error) else first_line(error)
         fail(f"{flag} {path} cannot be read ({type(error).__name__}: {why}): it is truncated, or not a PyTorch "
              "checkpoint")
@@ -115,6 +117,20 @@ def read(flag, path):
     checkpoint = normalized(checkpoint, flag, path)
     _check_contents(checkpoint, flag, path)
     return checkpoint
+
+
+def _pickle_is_whole(path):
+    """Whether a torch.save zip file's pickle (its data.pkl, which verify() checked against its CRC-32) reads to its
+    end: then torch.load's refusal was of what it holds (an object, a call), not of damage. Judged by the bytes, not
+    by the words of torch's message, which change from release to release. Not a zip file: False."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            name = next(n for n in archive.namelist() if n.endswith("/data.pkl") or n == "data.pkl")
+            for _ in pickletools.genops(archive.read(name)):
+                pass
+        return True
+    except Exception:  # not a zip file, no pickle, or one cut short or garbled
+        return False
 
 
 def normalized(checkpoint, flag="--resume", path=""):

@@ -1,5 +1,6 @@
 """A user's mistakes end in one line that names them, before any work, and leave a previous run's files as
 they were. Flags and paths are checked in-process (no process started); run.sh's variables by run.sh."""
+import argparse
 import errno
 import glob
 import hashlib
@@ -1579,3 +1580,29 @@ def test_a_save_over_a_checkpoint_pth_that_links_to_checkpoint_prev_keeps_the_fi
     assert sorted(os.listdir(tmp_path)) == ["checkpoint.prev.pth", "checkpoint.pth"]
     assert not os.path.islink(path) and not os.path.islink(prev)
     assert torch.load(prev)["epoch"] == 1 and torch.load(path)["epoch"] == 2
+
+
+class _Calls:
+    """An object whose unpickling would call os.mkdir: what a checkpoint carrying code does."""
+
+    def __init__(self, folder):
+        self.folder = folder
+
+    def __reduce__(self):
+        return os.mkdir, (self.folder,)
+
+
+@pytest.mark.parametrize("carried", ["call", "object"])
+def test_a_checkpoint_carrying_code_or_objects_is_named_so_not_called_truncated(trained, tmp_path, carried):
+    """torch.load(weights_only=True) refuses both; the line says what the file holds, judged by its pickle (whole),
+    not by the words of torch's message: a call to a function torch blocks (os.mkdir) was called truncated. Nothing
+    in it ran."""
+    ran = str(tmp_path / "ran")
+    state = torch.load(os.path.join(trained, "best.pth"), weights_only=True)
+    state["extra"] = _Calls(ran) if carried == "call" else argparse.Namespace(lr=0.1)
+    path = str(tmp_path / "carrying.pth")
+    torch.save(state, path)
+    with pytest.raises(errors.UserError, match="holds Python objects beyond plain data, which torch.load"
+                                               r"\(weights_only=True\) refuses: not loaded"):
+        checkpoints.read("--resume", path)
+    assert not os.path.exists(ran)
