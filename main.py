@@ -23,7 +23,7 @@ What the lesson asks of a data set and a model, all of it. A data set and a mode
 and models.py, and nothing else changes. Both are made on the CPU (touch no CUDA: Step 1 comes after them).
 
 dataset.py gives open_dataset(root, split, ...) -> a map-style torch Dataset (__len__ and __getitem__), picklable
-(DataLoader workers start by spawn on macOS and Windows).
+(DataLoader workers start by spawn on macOS and Windows, by forkserver on Linux from Python 3.14).
 - Training: open_dataset(root, "train", crop_size=[height, width], seed=N, cache_dir=DIR or None,
   scale_range=(low, high), color_jitter=S), from the flags of the same names. A data set may ignore an option it
   has no use for, but not crop_size: every training sample has that size, so that a batch stacks. It holds at

@@ -86,7 +86,7 @@ class Records:
 class Run:
     """A run's state, all of it: a field per concern, each written by the module named beside it alone, and read as
     job.RUN.<field>. begin_run() sets every field afresh where a run starts (recovery.guard), so that a second run
-    in one process (bench.py's, the tests') starts clean; `unchecked` alone lasts the process. Every other
+    in one process (the tests', or a process forked from one that ran) starts clean; `unchecked` alone lasts the process. Every other
     module-level name of the harness is a constant."""
     env: Environment = field(default_factory=Environment)  # job.read_environment (recovery.guard, first thing)
     command: Command = field(default_factory=Command)      # job.remember_command (the preflight)

@@ -108,7 +108,7 @@ def _begin(program, args):
     """A run starts with nothing said and no signal seen (a second run in one process too: the tests'): the
     launcher's variables read, a torchrun restart of a job stopped on a mistake ended at once, the stop signals
     installed."""
-    job.begin_run()  # every field of job.RUN afresh: a second run in one process (bench.py's, the tests') too
+    job.begin_run()  # every field of job.RUN afresh, for a second run in one process too (the tests')
     # A stream that cannot encode a character (PYTHONIOENCODING=ascii, an old cluster's profile) would raise
     # UnicodeEncodeError from a print of a path or a class name, mid-run: such a character is written as its escape
     # (\xe9, \u0434) instead.

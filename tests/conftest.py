@@ -160,13 +160,15 @@ PORTS = itertools.count()  # this worker's ports handed out so far
 
 
 def free_port():
-    """A port for a program a test starts, free now: from a range of this pytest-xdist worker's own (gw0, gw1, ...),
-    below Linux's ephemeral ports (from 32768, which the kernel gives out for port 0), so that neither the other
-    worker nor the kernel gives it out before the program binds it. (Port 0's answer, let go at once, was such a
-    race: both workers could be given the same port.)"""
+    """A port for a program a test starts, free now: from a slice of 20000-32767 of this pytest-xdist worker's own
+    (gw0, gw1, ...), below Linux's ephemeral ports (from 32768 by default, which the kernel gives out for port 0),
+    so that neither another worker nor the kernel gives it out before the program binds it. (Port 0's answer, let go
+    at once, was such a race: both workers could be given the same port.) A second suite running beside this one
+    walks the same ports: the bind below skips those in use, not one that is about to be."""
     worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:])
+    width = 12768 // max(1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
     while True:
-        port = 20000 + 1000 * (worker % 12) + next(PORTS) % 1000
+        port = 20000 + width * worker + next(PORTS) % width
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))

@@ -26,7 +26,7 @@ def test_begin_run_makes_every_field_as_a_new_process_has_it_but_what_lasts_the_
 
 
 def test_a_run_starts_with_what_an_earlier_run_in_the_process_left_undone():
-    """A second run in one process (bench.py runs main() twice) finds no state of the first: recovery.guard resets."""
+    """A second run in one process (the tests run main() many times) finds no state of the first: guard resets."""
     job.RUN.command = job.Command(quiet=True, resume="--resume old.pth")  # as a --check-only run leaves it
     job.RUN.records.lost_predictions = [OSError("full"), 3]
     with recovery.guard("predict.py", argparse.Namespace(evaluate=True, check_only=0)):

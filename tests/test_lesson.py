@@ -136,8 +136,8 @@ def test_the_lesson_on_a_data_set_and_a_model_written_from_its_contract_alone(tm
     the first's checkpoint (tests/contract's classes have nothing public beyond the contract): the weights and the
     optimizer equal bit for bit, which needs what the contract says of the augmentation's draw, and of .epoch (with
     a plain attribute, the persistent workers never see epoch 1: the crash does not come, checked first, and their
-    draw stays at epoch 0's). The mIoU printed is the one worked out here over each val image once (5 images on 2 ranks: counting one twice, as a padded sampler would, differs), and
-    the one -e prints in one process, without the optional save_prediction. The model's name is not given:
+    draw stays at epoch 0's). The mIoU printed is the one worked out here over each val image once (5 images on 2
+    ranks: counting one twice, as a padded sampler would, differs), and the one -e prints in one process, without the optional save_prediction. The model's name is not given:
     MODEL_NAMES' first is the default."""
     folder = _lesson_in(tmp_path / "lesson", os.path.join(CONTRACT, "dataset.py"), os.path.join(CONTRACT, "models.py"))
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]

@@ -261,10 +261,10 @@ def _assert_named_gone(error, killed):
 
 @pytest.mark.launch
 def test_a_killed_rank_is_named_gone_by_the_rank_that_outlives_it(killed_twice):
-    """SIGKILL to a worker of run.sh's two mid-epoch (killed_twice): once rank 0's, the process that serves the
-    store the ranks met at (run.sh's), then, in the restarted attempt, rank 1's. Each time the other rank names it as
-    gone, once, before torchrun stops it to restart both. A launch: run.sh's torchrun and its store are the
-    point."""
+    """SIGKILL to a worker of run.sh's two mid-epoch (killed_twice): once rank 0's, then, in the restarted attempt,
+    rank 1's. Each time the other rank names it as gone, once, from its heartbeat, before torchrun stops it to
+    restart both. (The store the ranks met at is torchrun's agent's, not rank 0's.) A launch: run.sh's torchrun is
+    the point."""
     _, log, _ = killed_twice
     errors = [line for line in log.splitlines() if line.startswith("main.py: error:")]
     assert len(errors) == 2, log  # one for each kill, none from the workers torchrun stopped

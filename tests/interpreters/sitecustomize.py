@@ -1,7 +1,8 @@
 """Imported first by every Python the tests start (conftest puts this folder on PYTHONPATH): at exit, the
 interpreter's last garbage collections leave out what exists then (gc.freeze), as main.py and predict.py do for
-themselves (harness/recovery.py). The others the tests start pay them still: torchrun's agents, run.sh's GPU count,
-harness/cache.py, tests/tools/gpu_check.py (about 0.3 s of CPU each for an agent: BENCHMARKS.md). A sitecustomize this
+themselves (harness/recovery.py). Without this file, the others the tests start would pay them: torchrun's agents,
+run.sh's GPU count and rendezvous watcher, harness/cache.py, tests/tools/gpu_check.py (about 0.3 s of CPU an agent:
+BENCHMARKS.md). A sitecustomize this
 one hides (a Linux distribution's) runs after it."""
 import atexit
 import gc
