@@ -92,6 +92,10 @@ def guard(program, args=None):
         if isinstance(error, torch.OutOfMemoryError) or is_cpu_out_of_memory(error):
             prefix = f"rank {get_rank()}: " if get_world_size() > 1 else ""
             _say_record_and_exit(prefix + out_of_memory(error), say_it=True)
+        worker = data_worker_lost(error)
+        if worker:
+            prefix = f"rank {get_rank()}: " if get_world_size() > 1 else ""
+            _say_record_and_exit(prefix + worker, say_it=True)
         if isinstance(error, dist.DistError) and not dist.is_initialized():
             _say_record_and_exit(f"rank {get_rank()}: " + _did_not_meet(error), say_it=True)
         if not (dist.is_initialized() and is_collective_failure(error)):
@@ -176,6 +180,37 @@ def is_cpu_out_of_memory(error):
     """The CPU's allocator says it in a plain RuntimeError ("DefaultCPUAllocator: can't allocate memory"); CUDA's
     raises torch.OutOfMemoryError."""
     return isinstance(error, RuntimeError) and "DefaultCPUAllocator: can't allocate memory" in str(error)
+
+
+def data_worker_lost(error):
+    """The one line for a DataLoader worker that died or could not hand over a batch, or None for another error.
+    torch says it in a plain RuntimeError, so it is told by torch's words (torch 2.14's, in libtorch_python and
+    torch/utils/data): a worker killed by a signal (Killed: most likely the out-of-memory killer; a bus error: a full
+    /dev/shm), one that exited unexpectedly (torch's word for a SIGKILL it saw first by the worker's absence), or
+    shared memory that could not be allocated."""
+    if not isinstance(error, RuntimeError):
+        return None
+    text = str(error)
+    if "shared memory" not in text and "DataLoader worker" not in text:
+        return None
+    workers = getattr(RUN.guard.args, "workers", None)
+    fewer = "-j 0 (loading in this process)" if workers in (None, 1) else f"-j {max(0, workers // 2)} or -j 0"
+    training = RUN.guard.program == "main.py" and not getattr(RUN.guard.args, "evaluate", False)
+    last = f" The last checkpoint is kept: then {job.resume_advice()}." if training else ""
+    if "shared memory" in text or "Bus error" in text:
+        try:
+            shm = os.statvfs("/dev/shm")
+            free = f", {shm.f_bavail * shm.f_frsize / 2**20:.0f} MiB free"
+        except OSError:  # no /dev/shm (macOS)
+            free = ""
+        return (f"a data loading worker could not hand over a batch: shared memory (/dev/shm{free}) is too small: "
+                f"give {fewer}, or more shared memory (Docker: --shm-size=8g).{last}")
+    if "is killed by signal: Killed" in text or "exited unexpectedly" in text:  # (SIGKILL is told either way)
+        return (f"a data loading worker was killed or ended unexpectedly ({first_line(error).rstrip('.')}), most "
+                f"likely by the out-of-memory killer (dmesg says): give {fewer}, or more memory.{last}")
+    if "is killed by signal" in text:
+        return f"a data loading worker died ({first_line(error).rstrip('.')}): give {fewer} to see why.{last}"
+    return None
 
 
 def memory_figures():

@@ -14,7 +14,8 @@ import torch
 import dataset
 import main
 from harness import checkpoints, job, stops
-from conftest import ROOT, TRAIN_ARGS, cpu_env, fork_main, free_port, processes_mentioning, wait_in_file
+from conftest import (ROOT, TRAIN_ARGS, cpu_env, fork_main, free_port, one_error_line, processes_mentioning,
+                      wait_in_file)
 
 
 
@@ -157,7 +158,8 @@ def test_a_stop_to_the_whole_process_group_saves_and_exits_0(data24, tmp_path):
 @pytest.mark.launch
 def test_gpu_check_stopped_stops_the_commands_it_started(tmp_path):
     out = str(tmp_path / "check")
-    process = _start_in_its_own_group([sys.executable, "tests/tools/gpu_check.py", "--dry-run", "--out", out], cpu_env())
+    process = _start_in_its_own_group([sys.executable, "tests/tools/gpu_check.py", "--dry-run", "--out", out],
+                                      cpu_env())
     _wait_for_process(os.path.join(out, "work", "full"))  # synthetic.py writing the step's data
     process.send_signal(signal.SIGTERM)
     output = process.communicate(timeout=60)[0]
@@ -306,3 +308,32 @@ def test_a_run_under_run_sh_takes_back_the_sigterm_its_torchrun_leaves_ignored(t
     finally:
         signal.signal(signal.SIGTERM, before)
         job.RUN.env = job.Environment()  # (the next test's run reads its own)
+
+
+@pytest.mark.parametrize("how", ["killed", "shared memory"])
+def test_a_data_worker_that_dies_or_finds_no_shared_memory_ends_in_one_line(tiny_data, tmp_path, monkeypatch,
+                                                                            capsys, how):
+    """A DataLoader worker killed (SIGKILL: the out-of-memory killer's signal) or short of shared memory (a small
+    /dev/shm: Docker's 64 MB) ended in torch's traceback. Now one line that names the cause and what to change (-j,
+    memory, --shm-size) and keeps the checkpoint. The worker here kills itself, or raises torch's own words for a
+    full /dev/shm (a real one is not made here)."""
+    def fail_in_a_worker(self, index):
+        if torch.utils.data.get_worker_info() is not None:
+            if how == "killed":
+                os.kill(os.getpid(), signal.SIGKILL)
+            raise RuntimeError("unable to allocate shared memory(shm) for file </torch_4242_0_0>: No space left on "
+                               "device (28)")
+        return real(self, index)
+    real = dataset.SegmentationFiles.__getitem__
+    monkeypatch.setattr(dataset.SegmentationFiles, "__getitem__", fail_in_a_worker)
+    argv = ["--data", tiny_data, "--output-dir", str(tmp_path / "out"), "--epochs", "1", *TRAIN_ARGS, "-j", "2"]
+    with pytest.raises(SystemExit) as stop:
+        main.main(main.get_args_parser().parse_args(argv))
+    assert stop.value.code == 1
+    line = one_error_line(capsys)
+    if how == "killed":
+        assert "a data loading worker was killed or ended unexpectedly (DataLoader worker (pid" in line, line
+        assert "most likely by the out-of-memory killer" in line, line
+    else:
+        assert "shared memory (/dev/shm" in line and "--shm-size=8g" in line, line
+    assert "give -j 1 or -j 0" in line and "run the same command with --resume auto" in line, line
