@@ -104,7 +104,10 @@ def read(flag, path):
         checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
     except Exception as error:
         # torch's own advice for what weights_only refuses (load it with weights_only=False) is not ours to give.
-        if isinstance(error, pickle.UnpicklingError) and _pickle_is_whole(path):  # objects, code: refused, not damaged
+        # Objects, code: refused, not damaged. Judged by the pickle's bytes (a zip file's); a legacy file, by torch's
+        # words for a refused global.
+        if isinstance(error, pickle.UnpicklingError) and (_pickle_is_whole(path) or "nsupported global" in str(error)
+                                                          or "unsupported GLOBAL" in str(error)):
             fail(f"{flag} {path} holds Python objects beyond plain data, which torch.load(weights_only=True) refuses: "
                  "not loaded; it is not a checkpoint main.py wrote")
         why = "not a PyTorch file" if "Weights only load failed" in str(error) else first_line(error)
@@ -120,14 +123,16 @@ def read(flag, path):
 
 
 def _pickle_is_whole(path):
-    """Whether a torch.save zip file's pickle (its data.pkl, which verify() checked against its CRC-32) reads to its
-    end: then torch.load's refusal was of what it holds (an object, a call), not of damage. Judged by the bytes, not
-    by the words of torch's message, which change from release to release. Not a zip file: False."""
+    """Whether a torch.save zip file's pickle (its data.pkl: verify() checked it against its CRC-32 where it has one)
+    reads to its end: then torch.load's refusal was of what it holds (an object, a call), not of damage. Judged by
+    the bytes, not by the words of torch's message, which change from release to release. Not a zip file: False."""
     try:
         with zipfile.ZipFile(path) as archive:
             name = next(n for n in archive.namelist() if n.endswith("/data.pkl") or n == "data.pkl")
-            for _ in pickletools.genops(archive.read(name)):
-                pass
+            with archive.open(name) as record:
+                record._expected_crc = None  # a file saved without CRC-32s stores 0: zipfile would call it damaged
+                for _ in pickletools.genops(record.read()):
+                    pass
         return True
     except Exception:  # not a zip file, no pickle, or one cut short or garbled
         return False

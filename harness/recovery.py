@@ -118,7 +118,8 @@ def _begin(program, args):
     # (\xe9, \u0434) instead.
     for stream in (sys.stdout, sys.stderr):
         if hasattr(stream, "reconfigure"):  # (a TextIOWrapper; not a stream replaced by one of another kind)
-            stream.reconfigure(errors="backslashreplace")
+            with suppress(ValueError, OSError, TypeError):  # closed, a broken pipe, a reconfigure without errors=
+                stream.reconfigure(errors="backslashreplace")
     RUN.guard = job.Guard(program=program, args=args,
                           output_dir=getattr(args, "output_dir", None) if program == "main.py" else None)
     # At exit the interpreter's garbage collections walk every object torch and torchvision made. It costs about 2 s
@@ -184,32 +185,35 @@ def is_cpu_out_of_memory(error):
 
 def data_worker_lost(error):
     """The one line for a DataLoader worker that died or could not hand over a batch, or None for another error.
-    torch says it in a plain RuntimeError, so it is told by torch's words (torch 2.14's, in libtorch_python and
-    torch/utils/data): a worker killed by a signal (Killed: most likely the out-of-memory killer; a bus error: a full
-    /dev/shm), one that exited unexpectedly (torch's word for a SIGKILL it saw first by the worker's absence), or
-    shared memory that could not be allocated."""
-    if not isinstance(error, RuntimeError):
-        return None
+    torch says it in a plain RuntimeError naming a DataLoader worker, so it is told by torch's words (torch 2.14's,
+    in libtorch_python and torch/utils/data): a worker killed by a signal (Killed: most likely the out-of-memory
+    killer; a bus error: most likely a full /dev/shm), one that exited unexpectedly (also what a SIGKILL gives when
+    torch notices the worker gone first; with an exit code, its own), or shared memory that could not be allocated.
+    With -j 0 there is no worker: None."""
     text = str(error)
-    if "shared memory" not in text and "DataLoader worker" not in text:
-        return None
     workers = getattr(RUN.guard.args, "workers", None)
-    fewer = "-j 0 (loading in this process)" if workers in (None, 1) else f"-j {max(0, workers // 2)} or -j 0"
+    if not isinstance(error, RuntimeError) or "DataLoader worker" not in text or workers == 0:
+        return None
+    if workers is None:
+        fewer = "a smaller -j (its default: each process's share of the cores, less one), or -j 0"
+    else:
+        fewer = "-j 0 (loading in this process)" if workers == 1 else f"-j {workers // 2} or -j 0"
     training = RUN.guard.program == "main.py" and not getattr(RUN.guard.args, "evaluate", False)
     last = f" The last checkpoint is kept: then {job.resume_advice()}." if training else ""
-    if "shared memory" in text or "Bus error" in text:
+    if "unable to allocate shared memory" in text or "Bus error" in text:
         try:
             shm = os.statvfs("/dev/shm")
             free = f", {shm.f_bavail * shm.f_frsize / 2**20:.0f} MiB free"
         except OSError:  # no /dev/shm (macOS)
             free = ""
-        return (f"a data loading worker could not hand over a batch: shared memory (/dev/shm{free}) is too small: "
-                f"give {fewer}, or more shared memory (Docker: --shm-size=8g).{last}")
-    if "is killed by signal: Killed" in text or "exited unexpectedly" in text:  # (SIGKILL is told either way)
+        return (f"a data loading worker could not hand over a batch: shared memory (/dev/shm{free}) is most likely "
+                f"too small: give {fewer}, or more shared memory (Docker: --shm-size=8g).{last}")
+    if "is killed by signal: Killed" in text or ("exited unexpectedly" in text and "exit code" not in text):
+        # (a SIGKILL is told either way: as a signal, or as a worker gone that torch noticed first)
         return (f"a data loading worker was killed or ended unexpectedly ({first_line(error).rstrip('.')}), most "
                 f"likely by the out-of-memory killer (dmesg says): give {fewer}, or more memory.{last}")
-    if "is killed by signal" in text:
-        return f"a data loading worker died ({first_line(error).rstrip('.')}): give {fewer} to see why.{last}"
+    if "is killed by signal" in text or "exited unexpectedly" in text:  # another signal; an exit code of its own
+        return f"a data loading worker died ({first_line(error).rstrip('.')}): give -j 0 to see why.{last}"
     return None
 
 

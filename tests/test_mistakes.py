@@ -1592,16 +1592,21 @@ class _Calls:
         return os.mkdir, (self.folder,)
 
 
-@pytest.mark.parametrize("carried", ["call", "object"])
-def test_a_checkpoint_carrying_code_or_objects_is_named_so_not_called_truncated(trained, tmp_path, carried):
+@pytest.mark.parametrize("carried, saved", [("call", "zip"), ("object", "zip"), ("object", "zip without CRC-32s"),
+                                            ("object", "legacy")])
+def test_a_checkpoint_carrying_code_or_objects_is_named_so_not_called_truncated(trained, tmp_path, carried, saved):
     """torch.load(weights_only=True) refuses both; the line says what the file holds, judged by its pickle (whole),
-    not by the words of torch's message: a call to a function torch blocks (os.mkdir) was called truncated. Nothing
-    in it ran."""
+    not by the words of torch's message: a call to a function torch blocks (os.mkdir) was called truncated. A zip
+    file saved without CRC-32s, and torch's legacy format, are named so too. Nothing in it ran."""
     ran = str(tmp_path / "ran")
     state = torch.load(os.path.join(trained, "best.pth"), weights_only=True)
     state["extra"] = _Calls(ran) if carried == "call" else argparse.Namespace(lr=0.1)
     path = str(tmp_path / "carrying.pth")
-    torch.save(state, path)
+    torch.serialization.set_crc32_options(saved != "zip without CRC-32s")
+    try:
+        torch.save(state, path, _use_new_zipfile_serialization=saved != "legacy")
+    finally:
+        torch.serialization.set_crc32_options(True)
     with pytest.raises(errors.UserError, match="holds Python objects beyond plain data, which torch.load"
                                                r"\(weights_only=True\) refuses: not loaded"):
         checkpoints.read("--resume", path)
