@@ -28,7 +28,7 @@ from PIL import Image, PngImagePlugin
 from torchvision import tv_tensors
 from torchvision.transforms.v2 import functional as F
 
-from images import BadInput, cached, decode_label, read_image, seen_size
+from images import BadInput, cached, check_label_bytes, decode_label, read_image, seen_size
 
 # The label table: torchvision carries the official one (cityscapesScripts' labels.py), so we read it
 # rather than typing it again. The 19 classes a model learns are those with 0 <= train_id < 255.
@@ -194,11 +194,11 @@ class SegmentationFiles(torch.utils.data.Dataset):
         self._epoch.fill_(value)
 
     def check_files(self, decode_labels=False):
-        """Read every file's header (not its pixels: cheap for thousands of pairs): each opens as an image, and each
-        label has its image's size as read_image turns it. Catches most bad files before any training time is
-        spent. decode_labels (or checks_every_label): also decode every label and check its values. -> (pixels
-        of each class index in the decoded labels, numpy (256,), 255: ignored; the labels more than half ignored),
-        or (None, []) when none was decoded."""
+        """Read every file's header (not its pixels: cheap for thousands of pairs): each opens as an image, each
+        label holds a PNG's bytes (check_label_bytes) and has its image's size as read_image turns it. Catches most
+        bad files before any training time is spent. decode_labels (or checks_every_label): also decode every label
+        and check its values. -> (pixels of each class index in the decoded labels, numpy (256,), 255: ignored; the
+        labels more than half ignored), or (None, []) when none was decoded."""
         counts, mostly_ignored = None, []
         self.largest = (0, 0)  # the tallest and the widest image, (height, width)
         for image_path, label_path in zip(self.images, self.labels):
@@ -208,6 +208,7 @@ class SegmentationFiles(torch.utils.data.Dataset):
                 if found[IGNORE_INDEX] * 2 > found.sum():
                     mostly_ignored.append(label_path)
             try:
+                check_label_bytes(label_path)  # a label's format from its bytes, whatever its name: a PNG's
                 (width, height, turned), (label_width, label_height, _) = seen_size(image_path), seen_size(label_path)
             except BadInput:
                 raise

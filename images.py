@@ -4,6 +4,7 @@
     image = images.read_image(path)               # (H, W, 3) uint8 as a viewer shows the file
     values = images.decode_label(path)            # (H, W) uint8 as a label file holds them
     width, height, turned = images.seen_size(path)   # from the header alone
+    images.check_label_bytes(path)                # a label's first bytes: a PNG's, whatever its name
     array = images.cached("data/cache", path, images.read_image)   # decoded once, then a memory map
 
 Both readers return numpy arrays, so that a crop can be sliced out of them, or out of the cache's memory maps,
@@ -112,16 +113,39 @@ def seen_size(path):
         return (*(f.size[::-1] if turned else f.size), turned)
 
 
+def check_label_bytes(path, header=None):
+    """A label file must hold a PNG's bytes, whatever its name says. PIL opens a file by its content, so a
+    labelIds.png exported again as a JPEG (a careless re-export) would decode, pass every other check and train
+    against wrong ground truth: JPEG's compression changes class indices (44% of the pixels of one such file).
+    Reads the first bytes alone (or takes header, those already read): cheap enough for every label at start
+    (check_files), where Cityscapes' train labels are opened, not decoded."""
+    if header is None:
+        header = _header(path, len(_PNG_SIGNATURE))
+    if header.startswith(_PNG_SIGNATURE):
+        return
+    try:  # what the bytes hold, as PIL names it: the file is refused either way
+        with Image.open(path) as f:
+            held = f"{f.format} bytes"
+    except Exception:  # not an image PIL knows (an HTML page, say), or nothing at all
+        held = "bytes of no image format" if header else "nothing (0 bytes)"
+    why = ("JPEG's compression changes class indices; converting this file keeps the changed ones" if held ==
+           "JPEG bytes" else "a PNG keeps class indices exactly, as JPEG's compression does not")
+    raise BadInput(f"{path} holds {held}, not a PNG's, whatever its name says: export the label again as a PNG from "
+                   f"its source ({why})")
+
+
 def decode_label(path):
-    """(H, W) label values as the file holds them, unchecked. torchcodec only for 8-bit greyscale PNGs
-    (Cityscapes' own): on a palette PNG it would return the palette's colours, not the indices, so anything
-    else goes to PIL. A greyscale PNG of fewer than 8 bits is refused: PIL would scale its values to 0-255."""
+    """(H, W) label values as the file holds them, unchecked. A file that is no PNG by its bytes is refused
+    (check_label_bytes). torchcodec only for 8-bit greyscale PNGs (Cityscapes' own): on a palette PNG it would
+    return the palette's colours, not the indices, so anything else goes to PIL. A greyscale PNG of fewer than 8
+    bits is refused: PIL would scale its values to 0-255."""
     try:
         header = _header(path)
-        if header[:8] == _PNG_SIGNATURE and header[25] == 0 and header[24] < 8:
+        check_label_bytes(path, header)
+        if header[25] == 0 and header[24] < 8:
             raise ValueError(f"a {header[24]}-bit greyscale PNG, whose values PIL would scale to 0-255; save it as "
                              "8-bit")
-        if _torchcodec_decode is not None and header[:8] == _PNG_SIGNATURE and header[24:26] == b"\x08\x00":
+        if _torchcodec_decode is not None and header[24:26] == b"\x08\x00":
             _check_size(path, *struct.unpack(">II", header[16:24]))  # IHDR's width and height, before decoding
             return _torchcodec_decode(path, mode="UNCHANGED")[0].numpy()
         with Image.open(path) as f:

@@ -14,8 +14,8 @@ from torchvision.transforms.v2 import functional as F
 import images
 from conftest import ROOT
 import main
-from dataset import (ID_TO_TRAINID, IGNORE_INDEX, TRAINID_TO_ID, BadInput, Cityscapes, read_image, read_label,
-                     sample_generator, train_transform)
+from dataset import (ID_TO_TRAINID, IGNORE_INDEX, TRAINID_TO_ID, BadInput, Cityscapes, open_dataset, read_image,
+                     read_label, sample_generator, train_transform)
 from synthetic import draw_street, write_synthetic
 
 # The official table (cityscapesScripts labels.py), typed here independently of the code.
@@ -186,6 +186,74 @@ def test_a_truncated_image_or_label_is_a_bad_input_naming_the_file(tiny_data, tm
             f.truncate(os.path.getsize(path) // 2)
         with pytest.raises(BadInput, match=f"{path} cannot be decoded .*; replace it, or remove the image and its label"):
             data[index]
+
+
+@pytest.mark.parametrize("decoder", ["torchcodec", "PIL"])
+def test_an_image_is_read_as_its_bytes_say_whatever_its_name(tmp_path, monkeypatch, decoder):
+    """A .png that holds JPEG bytes and a .jpg that holds PNG bytes: each read as what its bytes are, the same pixels
+    as the rightly named file's (images are judged by content; only labels must be PNGs)."""
+    if decoder == "PIL":
+        monkeypatch.setattr(images, "_torchcodec_decode", None)
+    else:
+        pytest.importorskip("torchcodec")
+    image = draw_street(np.random.default_rng(4), 64, 32, photo=True)[0]
+    Image.fromarray(image).save(tmp_path / "real.png")
+    Image.fromarray(image).save(tmp_path / "real.jpg", quality=80)
+    shutil.copy(tmp_path / "real.jpg", tmp_path / "jpeg_bytes.png")
+    shutil.copy(tmp_path / "real.png", tmp_path / "png_bytes.jpg")
+    with Image.open(tmp_path / "real.jpg") as f:
+        jpeg_pixels = np.array(f.convert("RGB"))
+    assert not np.array_equal(jpeg_pixels, image)  # JPEG's compression shows: the two readings differ
+    for misnamed, rightly_named, expected in (("jpeg_bytes.png", "real.jpg", jpeg_pixels),
+                                              ("png_bytes.jpg", "real.png", image)):
+        pixels = read_image(str(tmp_path / misnamed))
+        assert np.array_equal(pixels, read_image(str(tmp_path / rightly_named))), misnamed
+        assert np.array_equal(pixels, expected), misnamed
+        assert images.seen_size(str(tmp_path / misnamed)) == (64, 32, False)
+
+
+NOT_PNG = "holds {held}, not a PNG's, whatever its name says: export the label again as a PNG from its source ({why})"
+JPEG_WHY = "JPEG's compression changes class indices; converting this file keeps the changed ones"
+
+
+def write_over(path, how):
+    """A label file's bytes replaced, its name kept: its values saved as JPEG (a careless re-export) or WebP, or an
+    HTML page (a download that failed)."""
+    with Image.open(path) as f:
+        values = np.array(f)
+    if how == "html":
+        with open(path, "w") as f:
+            f.write("<html><body>Please log in</body></html>")
+    else:
+        Image.fromarray(values).save(path, format=how, **({"lossless": True} if how == "WEBP" else {}))
+    return values
+
+
+@pytest.mark.parametrize("how, held, why", [
+    ("JPEG", "JPEG bytes", JPEG_WHY),
+    ("WEBP", "WEBP bytes", "a PNG keeps class indices exactly, as JPEG's compression does not"),
+    ("html", "bytes of no image format", "a PNG keeps class indices exactly, as JPEG's compression does not"),
+])
+def test_a_labelids_png_that_holds_other_bytes_is_refused_at_start_in_one_line(tiny_data, tmp_path, how, held, why):
+    """Judged by its bytes, not its name: a train label (opened at start, not decoded) and a val label (decoded at
+    start), each refused by check_files with one line naming the file; and wherever it is decoded."""
+    root = copy_of(tiny_data, tmp_path)
+    for split, decode_labels, index in (("train", False, 3), ("val", True, 1)):
+        data = open_dataset(root, split)
+        path = data.labels[index]
+        label_ids = write_over(path, how)
+        if how == "JPEG":  # what the check prevents: PIL opens it by its content, with class indices changed
+            with Image.open(path) as f:
+                assert f.format == "JPEG" and not np.array_equal(np.array(f), label_ids)
+        line = f"{path} " + NOT_PNG.format(held=held, why=why)
+        with pytest.raises(BadInput) as refused:
+            data.check_files(decode_labels=decode_labels)
+        assert str(refused.value) == line
+        for read in (lambda: read_label(path), lambda: data[index]):
+            with pytest.raises(BadInput) as refused:
+                read()
+            assert str(refused.value) == line
+        shutil.copy(os.path.join(tiny_data, os.path.relpath(path, root)), path)  # whole again, for the next split
 
 
 def outputs(data, epochs=(0, 1)):

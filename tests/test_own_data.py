@@ -90,6 +90,11 @@ def _break(root, how):
         Image.fromarray(mask).save(os.path.join(root, "masks", "train", "street_0005.png"))
     elif how == "a 4-bit greyscale mask":
         Image.new("L", (64, 32), 1).save(os.path.join(val_masks, "street_0002.png"), bits=4)
+    elif how == "a train mask holding JPEG bytes":  # exported again as JPEG, its name kept
+        path = os.path.join(root, "masks", "train", "street_0005.png")
+        with Image.open(path) as mask:
+            indices = np.array(mask)
+        Image.fromarray(indices).save(path, format="JPEG")
     elif how == "an RGB mask":
         Image.new("RGB", (64, 32), (1, 1, 1)).save(os.path.join(val_masks, "street_0002.png"))
     elif how == "empty split":
@@ -112,6 +117,10 @@ def _break(root, how):
                                          "{root}/classes.json names 7 classes (0-6)"),
     ("class index outside classes.json, in a train mask", "{root}/masks/train/street_0005.png holds the class "
                                                           "index 40"),
+    ("a train mask holding JPEG bytes", "main.py: error: {root}/masks/train/street_0005.png holds JPEG bytes, not a "
+                                        "PNG's, whatever its name says: export the label again as a PNG from its "
+                                        "source (JPEG's compression changes class indices; converting this file keeps "
+                                        "the changed ones)"),
     ("an RGB mask", "{root}/masks/val/street_0002.png is not a mask of class indices"),
     ("a 4-bit greyscale mask", "{root}/masks/val/street_0002.png cannot be decoded (a 4-bit greyscale PNG, whose "
                                "values PIL would scale to 0-255; save it as 8-bit)"),
@@ -135,6 +144,22 @@ def test_mistakes_in_your_own_data_end_in_one_line(folder_data, tmp_path, how, e
     line = main_fails(["--data", root, "--output-dir", str(tmp_path / "out"), *TRAIN_ARGS, "--check-only", "2"],
                        capsys)
     assert expect.format(root=root) in line, line
+
+
+def test_a_mask_named_png_that_holds_jpeg_bytes_is_refused_at_start_and_wherever_it_is_read(folder_data, tmp_path):
+    """Judged by its bytes, not its name, as a mask named .jpg is refused by its name: one line at start
+    (check_files), the same where it is decoded (a cached run's first epoch), never class indices JPEG changed."""
+    root = str(tmp_path / "data")
+    shutil.copytree(folder_data, root)
+    _break(root, "a train mask holding JPEG bytes")
+    train = open_dataset(root, "train", cache_dir=str(tmp_path / "cache"))
+    path = os.path.join(root, "masks", "train", "street_0005.png")
+    line = (f"{path} holds JPEG bytes, not a PNG's, whatever its name says: export the label again as a PNG from its "
+            "source (JPEG's compression changes class indices; converting this file keeps the changed ones)")
+    for read in (train.check_files, lambda: train[train.labels.index(path)]):
+        with pytest.raises(dataset.BadInput) as refused:
+            read()
+        assert str(refused.value) == line
 
 
 @pytest.mark.parametrize("decoder, suffix", [("torchcodec", "jpg"), ("PIL", "jpg"), ("torchcodec", "png"),
