@@ -158,7 +158,8 @@ def write_outputs(prediction, image, outputs, palette, args):
             picture = TRAINID_TO_ID[prediction]
         else:
             picture = prediction.to(torch.uint8)
-        Image.fromarray(picture.numpy()).save(path)
+        # Whole or not at all, under a new name renamed into place: never written through a link left at path.
+        paths.write_atomically(path, lambda f: Image.fromarray(picture.numpy()).save(f, format="PNG"), durable=False)
 
 
 def is_export(path):

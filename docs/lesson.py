@@ -398,11 +398,18 @@ def checkpoint_state(model, optimizer, scaler, args, classes, epoch, step, best_
 def save_checkpoint(state, path):
     """Into a temporary file, flushed to the disk, then renamed over the old one: a crash mid-write leaves the old
     checkpoint whole. Rank 0 alone calls it: several ranks writing one file corrupt it."""
-    with open(path + ".tmp", "wb") as f:
-        torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(path + ".tmp", path)
+    # A new name each save (the process id alone is 1 in every run of a container). Mode "x" creates the file, or
+    # fails where anything has that name: never a write through a symbolic link someone left there.
+    temporary = f"{path}.{os.getpid()}-{time.time_ns()}.tmp"
+    with open(temporary, "xb") as f:
+        try:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        except BaseException:  # a full disk, Ctrl-C: no half-written file left behind
+            os.remove(temporary)
+            raise
+    os.replace(temporary, path)
 
 
 def build(args):

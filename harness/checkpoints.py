@@ -578,13 +578,13 @@ def previous_path(path):
 
 
 def keeping_previous(save):
-    """A decorator for main.py's save(state, path), which writes path + ".tmp" and renames it over path: the
-    checkpoint it replaces stays as *.prev.pth (a fallback for --resume auto when the new one is damaged), the
-    rename reaches the disk (the folder is synced), and a write that fails (a full disk) leaves the previous
-    checkpoint as it was and no temporary file, and is told to the ranks' next vote (stops.write_failed), which
-    ends every rank together, rank 0 saying why in one line. No name it uses can be met by a later save: the
-    second name is new each time (paths.temporary_name), and gone when the save returns, also where it and
-    *.prev.pth were already one file (a rewind's, or links a backup made)."""
+    """A decorator for main.py's save(state, path), which writes a temporary file of its own beside path, renames it
+    over path, and removes that file when the write fails. The checkpoint it replaces stays as *.prev.pth (a fallback
+    for --resume auto when the new one is damaged), the rename reaches the disk (the folder is synced), and a write
+    that fails (a full disk) leaves the previous checkpoint as it was, and is told to the ranks' next vote
+    (stops.write_failed), which ends every rank together, rank 0 saying why in one line. No name it uses can be met
+    by a later save: the second name is new each time (paths.temporary_name), and gone when the save returns, also
+    where it and *.prev.pth were already one file (a rewind's, or links a backup made)."""
     @functools.wraps(save)
     def save_keeping_the_previous(state, path):
         # This epoch's other files failed: no checkpoint after them, the epoch is redone.
@@ -606,9 +606,8 @@ def keeping_previous(save):
             os.close(folder)
         except (OSError, RuntimeError) as error:  # torch.save reports a failed write as a RuntimeError
             paths.note_free_space(error, path)
-            for leftover in (keep, path + ".tmp"):
-                if os.path.isfile(leftover):
-                    os.remove(leftover)
+            if os.path.isfile(keep):
+                os.remove(keep)
             stops.write_failed(_cannot_write(path, error))
     return save_keeping_the_previous
 

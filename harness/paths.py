@@ -205,15 +205,19 @@ def free_mib(folder):
     return shutil.disk_usage(folder).free / 2**20
 
 
-def write_atomically(path, data):
+def write_atomically(path, data, durable=True):
     """Write a temporary file, fsync, rename over path: a crash mid-write leaves the old file whole, and a failed
-    write (a full disk) leaves no half file behind. data: bytes, or a function that writes into a file."""
+    write (a full disk) leaves no half file behind. The temporary file is made exclusively under a new name: no write
+    follows a link someone left at path or beside it (the rename replaces a link at path, not what it leads to).
+    data: bytes, or a function that writes into a file. durable=False: no fsync (a heartbeat, rewritten every
+    minute)."""
     tmp = temporary_name(path)
     try:
         with open(tmp, "xb") as f:
             data(f) if callable(data) else f.write(data)
             f.flush()
-            os.fsync(f.fileno())
+            if durable:
+                os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException as error:
         note_free_space(error, path)
@@ -369,9 +373,60 @@ def write_folder(path, write):
         raise
 
 
+# --- this user's own folder in TMPDIR -----------------------------------------------------------------------------
+def _private_path():
+    return os.path.join(tempfile.gettempdir(), f"deeplab-{os.getuid()}")
+
+
+def _not_private(path):
+    """Why the folder at path is not this user's own, or None when it is: a symbolic link, not a folder, another
+    user's, or one others may write in. (lstat: the name itself, no link followed.)"""
+    try:
+        info = os.lstat(path)
+    except OSError as error:
+        return f"cannot be read ({error.strerror or error})"
+    if stat.S_ISLNK(info.st_mode):
+        return "is a symbolic link"
+    if not stat.S_ISDIR(info.st_mode):
+        return "is not a folder"
+    if info.st_uid != os.getuid():
+        return f"belongs to another user (uid {info.st_uid})"
+    if info.st_mode & 0o022:
+        return f"may be written by other users (mode {stat.S_IMODE(info.st_mode):o})"
+    return None
+
+
+def private_folder():
+    """This user's own folder in the machine's temporary folder (TMPDIR/deeplab-UID), made mode 700 where missing:
+    the ranks' heartbeats and the record of a mistake for torchrun's restarts (recovery.py) are kept there and read
+    from there alone. Another user on a shared node can make any name in /tmp first: a folder of theirs would hand
+    this run records to act on, and links to write through. -> its path; None where it is not this user's own
+    (check_private_folder says so as the run starts), or cannot be made: those records are then not kept."""
+    path = _private_path()
+    try:
+        os.mkdir(path, 0o700)
+    except OSError:
+        pass  # there already (checked below), or TMPDIR cannot be written
+    return None if _not_private(path) else path
+
+
+def check_private_folder():
+    """A distributed run's start: where private_folder()'s name is taken by something that is not this user's own
+    folder, one line says so, before any rank relies on it."""
+    path = _private_path()
+    why = _not_private(path) if os.path.lexists(path) else None
+    if why:
+        fail(f"{path} {why}, where this program keeps this user's records of a run (heartbeats, a mistake for "
+             "torchrun's restarts): set TMPDIR to a folder of your own (export TMPDIR=$HOME/tmp), or remove it")
+
+
 # --- main.py's folders ----------------------------------------------------------------------------------------
-# What a training run writes in its --output-dir; a folder holding one of the first five holds a run.
-RUN_FILES = ("checkpoint.pth", "checkpoint.prev.pth", "best.pth", "metrics.jsonl", "eval.json", "vis", "tensorboard")
+# Every name a run writes in its --output-dir, once, and what it is. -e writes eval.json and vis/; training the rest
+# (tensorboard/ with --tensorboard). A folder holding one of the records (the files) holds a run.
+RUN_FILES = {"checkpoint.pth": "a file", "checkpoint.prev.pth": "a file", "best.pth": "a file",
+             "metrics.jsonl": "a file", "eval.json": "a file", "vis": "a folder", "tensorboard": "a folder"}
+RECORDS = tuple(name for name, what in RUN_FILES.items() if what == "a file")
+EVALUATION_WRITES = ("eval.json", "vis")
 
 
 def check_run_folders(args):
@@ -392,7 +447,7 @@ def check_run_folders(args):
 def check_no_run_replaced(args, start):
     """No other run in --output-dir is replaced without a word, and no file the run reads (--weights) is one that
     --overwrite moves aside. start: checkpoints.Start (whether this run continues one there)."""
-    found = [name for name in RUN_FILES[:5] if os.path.exists(os.path.join(args.output_dir, name))]
+    found = [name for name in RECORDS if os.path.exists(os.path.join(args.output_dir, name))]
     if (replacing(args, start) and args.weights and not start.path
             and any(inside(args.weights, os.path.join(args.output_dir, name)) for name in RUN_FILES)):
         fail(f"--weights {args.weights} belongs to the run that --overwrite moves aside from {named('--output-dir')} "
@@ -437,7 +492,7 @@ def make_run_outputs(args, start):
 def _leftover(name):
     """A temporary file of a write that was killed: a run file's name, a dot, anything, ".tmp" (main.py's
     checkpoint.pth.tmp, temporary_name()'s)."""
-    return name.endswith(".tmp") and any(name.startswith(f"{run_file}.") for run_file in RUN_FILES[:5])
+    return name.endswith(".tmp") and any(name.startswith(f"{run_file}.") for run_file in RECORDS)
 
 
 def remove_leftovers(folder):
@@ -447,11 +502,6 @@ def remove_leftovers(folder):
         path = os.path.join(folder, name)
         if _leftover(name) and os.path.isfile(path) and not os.path.islink(path):
             os.remove(path)
-
-
-# What each name a run writes in --output-dir must be, when it is there (check_run_files).
-WRITES = {"checkpoint.pth": "a file", "checkpoint.pth.tmp": "a file", "checkpoint.prev.pth": "a file",
-          "best.pth": "a file", "metrics.jsonl": "a file", "vis": "a folder", "tensorboard": "a folder"}
 
 
 def check_run_files(args):
@@ -464,10 +514,12 @@ def check_run_files(args):
     if not os.path.isdir(out) or (args.overwrite and not args.evaluate and job.env().restarts == 0
                                   and not (explicit and names_in(args.resume, out))):  # replacing(), said early
         return
-    writes = {"eval.json": "a file", "vis": "a folder"} if args.evaluate else dict(WRITES)
-    if not args.tensorboard:
-        writes.pop("tensorboard", None)
-    for name, wanted in writes.items():
+    if args.evaluate:
+        writes = EVALUATION_WRITES
+    else:  # training: every name but -e's eval.json
+        writes = [name for name in RUN_FILES if name != "eval.json" and (name != "tensorboard" or args.tensorboard)]
+    for name in writes:
+        wanted = RUN_FILES[name]
         path = os.path.join(out, name)
         found = kind(path)
         if found not in (None, wanted):
@@ -476,6 +528,9 @@ def check_run_files(args):
         if mark:
             fail(f"{path} is marked {mark[0]} (lsattr), and the run replaces it: clear the mark, chattr -{mark[1]} "
                  f"{path}, or move it away")
+        if name == "metrics.jsonl" and os.path.islink(path):  # (the other files are replaced: a link at them goes)
+            fail(f"{path} is a symbolic link (to {os.readlink(path)}), and the run appends to it: move it away, or "
+                 "replace it with a copy of the file it leads to")
         written_into = name == "metrics.jsonl" or wanted == "a folder"  # appended to, or files made in it
         if found and written_into and not os.access(path, os.W_OK | (os.X_OK if wanted == "a folder" else 0)):
             fail(f"{path} cannot be written by this user, and the run writes to it: give this user write "
@@ -598,7 +653,11 @@ def _make_for_holding(folder):
 
 
 def _check_lock_file(path):
-    """The lock file's name holds a file or nothing: anything else there is named."""
+    """The lock file's name holds a file or nothing: anything else there is named, a symbolic link too (the lock
+    record would be written into the file it leads to)."""
+    if os.path.islink(path):
+        fail(f"{path} is a symbolic link (to {os.readlink(path)}), where this program keeps its lock file (one folder, "
+             "one run): remove the link, then run again")
     found = kind(path)
     if found not in (None, "a file"):
         fail(f"{path} is {found}, where this program keeps its lock file (one folder, one run): remove it, then run "
@@ -629,7 +688,7 @@ def _open_and_lock(args, path):
     while True:
         _check_lock_file(path)
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)  # (a link made meanwhile: ELOOP)
         except FileNotFoundError:
             raise  # the folder is gone: hold_output makes it again
         except OSError as error:

@@ -106,7 +106,7 @@ def save_picture(path, sample, colors):
     """image | ground truth | prediction, side by side, in the classes' colours (ignore in black). -> the picture."""
     image, label, prediction = sample  # image: uint8 (3, H, W), as the data set gives it
     picture = torch.cat([image.permute(1, 2, 0), colorize(label, colors), colorize(prediction, colors)], dim=1)
-    Image.fromarray(picture.numpy()).save(path)
+    paths.write_atomically(path, lambda f: Image.fromarray(picture.numpy()).save(f, format="PNG"), durable=False)
     return picture
 
 
@@ -132,7 +132,8 @@ def write_epoch(args, epoch, steps_per_epoch, stats, train_loss, evaluation, sam
                              state["classes"]["colors"])
         metrics = os.path.join(args.output_dir, "metrics.jsonl")
         unended = _last_line_unended(metrics)  # a note a user appended without a newline: the record starts below it
-        with open(metrics, "a") as f:
+        # O_NOFOLLOW: never appended through a symbolic link (check_run_files named one before the first step).
+        with os.fdopen(os.open(metrics, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o666), "a") as f:
             f.write(("\n" if unended else "") + json.dumps(record) + "\n")
     except (OSError, RuntimeError) as error:  # torch.save says a failed write as a RuntimeError
         if not hasattr(error, "free_mib"):

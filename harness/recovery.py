@@ -20,7 +20,6 @@ import os
 import signal
 import socket
 import sys
-import tempfile
 import threading
 import time
 import traceback
@@ -135,6 +134,8 @@ def _begin(program, args):
     if job.env().under_run_sh and signal.getsignal(signal.SIGTERM) == signal.SIG_IGN:
         # run.sh starts torchrun with SIGTERM ignored, and its workers inherit that: from here it is theirs again.
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    if job.env().distributed:
+        paths.check_private_folder()  # where the records below are kept: this user's own
     _exit_or_clear_stop_record()
     # A training run's signals finish the step and save; -e's, the preflight's and predict.py's end it at once.
     stops.install(training=program == "main.py" and not (args.evaluate or args.check_only))
@@ -306,9 +307,9 @@ def is_collective_failure(error):
 def _stop_files():
     """Where a mistake is recorded: the output folder (shared by every node), and this machine's temporary
     folder for when the output folder cannot be written (a full disk)."""
-    run_id = job.env().run_id or "none"
-    mine = os.path.join(tempfile.gettempdir(), f"deeplab-stopped-{run_id}.json")
-    return [os.path.join(RUN.guard.output_dir, ".stopped.json"), mine] if RUN.guard.output_dir else [mine]
+    private = paths.private_folder()
+    mine = [os.path.join(private, f"stopped-{job.env().run_id or 'none'}.json")] if private else []
+    return [os.path.join(RUN.guard.output_dir, ".stopped.json"), *mine] if RUN.guard.output_dir else mine
 
 
 # How long a rank waits for rank 0 to say a mistake that every rank finds alike (_say_record_and_exit).
@@ -338,12 +339,8 @@ def _say_record_and_exit(message, say_it):
         if get_world_size() > 1 or job.env().run_id is not None:
             record = {"run_id": job.env().run_id or "", "time": time.time(), "message": message}
             for path in _stop_files():
-                try:
-                    os.makedirs(os.path.dirname(path), exist_ok=True)
-                    temporary = f"{path}.{os.getpid()}.tmp"  # ranks that fail together each write their own
-                    with open(temporary, "w") as f:
-                        json.dump(record, f)
-                    os.replace(temporary, path)
+                try:  # (ranks that fail together each write a temporary file of their own)
+                    paths.write_atomically(path, json.dumps(record).encode(), durable=False)
                     break
                 except OSError:
                     pass  # nowhere to write: restarts may repeat the line, nothing worse
@@ -463,7 +460,7 @@ def start_heartbeat(minutes, after_s=5.0, every_s=60.0):
                     store = None
             stopping.wait(HEARTBEAT_S)
         if stopping.is_set():  # a run that ends as it should takes its file away (a killed one's: _agree_on_a_name)
-            with suppress(OSError):
+            with suppress(OSError, TypeError):  # (TypeError: no folder)
                 os.remove(os.path.join(_peers_folder(), f"{beat['group']}.{rank}"))
 
     thread = threading.Thread(target=run, daemon=True, name="peers")
@@ -481,10 +478,10 @@ def stop_heartbeat():
 
 def _peers_folder():
     """Where the ranks of this node write their heartbeats: run.sh's own folder for this run (it removes it when it
-    ends), else one of this user's in the machine's temporary folder."""
+    ends), else this user's own in the machine's temporary folder (paths.private_folder); None where there is none."""
     if job.env().stop_file:
         return os.path.dirname(job.env().stop_file)
-    return os.path.join(tempfile.gettempdir(), f"deeplab-peers-{os.getuid()}")
+    return paths.private_folder()
 
 
 def _agree_on_a_name(store):
@@ -502,26 +499,25 @@ def _agree_on_a_name(store):
 def _write_beat(group, rank):
     """This rank's heartbeat file, written whole (replaced): its process, host, the time, steps done."""
     folder = _peers_folder()
-    path = os.path.join(folder, f"{group}.{rank}")
-    try:
-        os.makedirs(folder, mode=0o700, exist_ok=True)
-        with open(f"{path}.tmp", "w") as f:
-            f.write(f"{os.getpid()} {socket.gethostname()} {time.time()} {stops.steps_done()}")
-        os.replace(f"{path}.tmp", path)
-    except OSError:  # nowhere to write it: the store alone tells of this rank
-        pass
+    if folder is None:
+        return  # nowhere to write it: the store alone tells of this rank
+    beat = f"{os.getpid()} {socket.gethostname()} {time.time()} {stops.steps_done()}"
+    with suppress(OSError):
+        paths.write_atomically(os.path.join(folder, f"{group}.{rank}"), beat.encode(), durable=False)
 
 
 def _read_beats(group):
     """{rank: (process id, seconds since its last beat, steps done)} of the ranks of this group on this node."""
-    beats, here, now = {}, socket.gethostname(), time.time()
+    beats, here, now, folder = {}, socket.gethostname(), time.time(), _peers_folder()
+    if folder is None:
+        return beats
     try:
-        names = [name for name in os.listdir(_peers_folder()) if name.split(".")[:-1] == [group]]  # (not .tmp)
+        names = [name for name in os.listdir(folder) if name.split(".")[:-1] == [group]]  # (not .tmp)
     except OSError:
         return beats
     for name in names:
         try:
-            with open(os.path.join(_peers_folder(), name)) as f:
+            with open(os.path.join(folder, name)) as f:
                 pid, host, stamp, steps = f.read().split()
             if host == here:
                 beats[int(name.split(".")[1])] = (int(pid), now - float(stamp), int(steps))
@@ -550,6 +546,8 @@ def _process_state(pid):
 def _remove_files_of_the_gone():
     """Heartbeat files of this machine whose process is gone: what killed ranks of earlier runs left."""
     folder, here = _peers_folder(), socket.gethostname()
+    if folder is None:
+        return
     try:
         names = os.listdir(folder)
     except OSError:

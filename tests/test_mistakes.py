@@ -891,7 +891,6 @@ def _chattr(flag, path):
     ("vis", lambda path: open(path, "w").close(), "is a file, where the run writes a folder of its own: move it away"),
     ("checkpoint.pth", os.mkdir, "is a folder, where the run writes a file of its own: move it away"),
     ("checkpoint.pth", os.mkfifo, "is a named pipe (FIFO), where the run writes a file of its own: move it away"),
-    ("checkpoint.pth.tmp", os.mkdir, "is a folder, where the run writes a file of its own: move it away"),
     ("checkpoint.prev.pth", lambda path: _chattr("+i", path), "is marked immutable (lsattr), and the run replaces it: "
                                                             "clear the mark, chattr -i "),
     (".held", os.mkdir, "is a folder, where this program keeps its lock file (one folder, one run): remove it, then "
@@ -1102,7 +1101,7 @@ def test_earlier_results_are_replaced_with_a_word_and_a_full_disk_writing_eval_j
 
     from harness import records
 
-    def full_disk(*args):
+    def full_disk(*args, **options):
         raise OSError(28, "No space left on device")
     for module, name in ((paths, "write_atomically"), (records, "save_picture")):  # eval.json's write, the picture's
         with monkeypatch.context() as patch:
@@ -1611,3 +1610,36 @@ def test_a_checkpoint_carrying_code_or_objects_is_named_so_not_called_truncated(
                                                r"\(weights_only=True\) refuses: not loaded"):
         checkpoints.read("--resume", path)
     assert not os.path.exists(ran)
+
+
+def test_no_write_follows_a_link_left_where_the_run_writes(tiny_data, trained, tmp_path, capsys):
+    """A shared run folder, or a restored backup, may hold symbolic links at the names a run writes. The lock record
+    and metrics.jsonl, which the run writes into, are named before any step; the files it replaces (the checkpoint's
+    temporary file, under the name main.py once used, and an epoch's picture) are made anew, not written through.
+    The file the links lead to stays as it was."""
+    out = tmp_path / "out"
+    shutil.copytree(trained, out)
+    notes = tmp_path / "notes.txt"
+    notes.write_text("a user's own notes")
+    common = ["--data", tiny_data, "--output-dir", str(out), *TRAIN_ARGS, "--epochs", "2", "--resume", "auto"]
+    for name, then in ((".held", "where this program keeps its lock file (one folder, one run): remove the link, "
+                                 "then run again"),
+                       ("metrics.jsonl", "and the run appends to it: move it away, or replace it with a copy of the "
+                                         "file it leads to")):
+        link = out / name
+        if link.exists():
+            os.rename(link, tmp_path / "kept")
+        os.symlink(notes, link)
+        assert main_fails(common, capsys) == f"main.py: error: {link} is a symbolic link (to {notes}), {then}"
+        os.remove(link)
+        if (tmp_path / "kept").exists():
+            os.rename(tmp_path / "kept", link)
+    for name in ("checkpoint.pth.tmp", "vis/epoch_001.png"):
+        os.symlink(notes, out / name)
+    main.main(main.get_args_parser().parse_args(common))
+    assert "done: best mIoU" in capsys.readouterr().out
+    assert notes.read_text() == "a user's own notes"
+    from PIL import Image
+    picture = out / "vis" / "epoch_001.png"
+    assert not os.path.islink(picture) and Image.open(picture).format == "PNG"
+    assert checkpoints.read("--resume", str(out / "checkpoint.pth"))["epoch"] == 2

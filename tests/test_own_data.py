@@ -15,7 +15,7 @@ import dataset
 import images
 import main
 import predict
-from harness import checkpoints, job
+from harness import checkpoints, job, paths
 from conftest import ROOT, TRAIN_ARGS, main_fails, no_space, one_error_line
 from dataset import FolderDataset, default_colors, open_dataset
 from models import build_model
@@ -259,6 +259,8 @@ def test_own_data_fine_tuned_evaluated_predicted_and_its_curves_continue(trained
              "--weights", os.path.join(trained, "best.pth")]
     main.main(main.get_args_parser().parse_args(train))
     assert "does not fit the 7 classes of --data and starts afresh" in capsys.readouterr().out
+    # What the run wrote is what harness/paths.py's one table of run files names (-e's eval.json, below).
+    assert sorted(os.listdir(out)) == sorted(name for name in paths.RUN_FILES if name != "eval.json")
     checkpoint = torch.load(os.path.join(out, "checkpoint.pth"), weights_only=True)
     assert checkpoint["classes"]["names"] == CATEGORIES and checkpoint["model"]["classifier.weight"].shape[0] == 7
     with open(os.path.join(out, "metrics.jsonl")) as f:
@@ -290,6 +292,7 @@ def test_own_data_fine_tuned_evaluated_predicted_and_its_curves_continue(trained
     assert "  vehicle" in capsys.readouterr().out
     with open(os.path.join(out, "eval.json")) as f:
         assert list(json.load(f)["iou"]) == CATEGORIES
+    assert sorted(os.listdir(out)) == sorted(paths.RUN_FILES)  # and nothing the table does not name
     assert sorted(os.listdir(preds)) == [f"street_{i:04d}.png" for i in range(5)]
     with Image.open(os.path.join(preds, "street_0000.png")) as mask:
         assert mask.mode == "P" and mask.size == (64, 32) and int(np.asarray(mask).max()) < 7

@@ -10,8 +10,10 @@ import pty
 import select
 import shutil
 import signal
+import stat
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from types import SimpleNamespace
@@ -19,9 +21,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from harness import checkpoints, job, recovery, stops
+from harness import checkpoints, job, paths, recovery, stops
 from conftest import (ROOT, SLOW_ARGS, TRAIN_ARGS, built_once, checkpoint_of, cpu_env, finish_ranks, fork_main,
-                      fork_ranks, free_port, metrics, processes_mentioning, run_sh_workers_line, wait_in_file)
+                      fork_ranks, free_port, main_fails, metrics, processes_mentioning, run_sh_workers_line, wait_in_file)
 
 PY = sys.executable
 
@@ -589,7 +591,7 @@ def test_a_rank_waits_for_rank_0_to_say_a_mistake_every_rank_finds_and_says_it_w
             assert 0.3 <= took < 1.0 and said == "", (took, said)  # until rank 0's record, and nothing said
         else:
             assert took >= 1.0 and said == "main.py: error: rank 1: --lr nan must be above 0\n", (took, said)
-            assert json.loads(pathlib.Path(recovery._stop_files()[0]).read_text())["message"] == \
+            assert recovery._stop_records()[0][1]["message"] == \
                 "rank 1: --lr nan must be above 0"  # recorded: torchrun's restarts do not say it again
     # Rank 2 of 3, with no record either: rank 1 says it, rank 2 nothing.
     monkeypatch.setattr(job.RUN, "env", job.Environment(rank=2, world_size=3, local_rank=2, run_id="test"))
@@ -808,3 +810,42 @@ def test_a_program_leaves_its_objects_out_of_the_interpreter_s_last_collection(t
     main.main(main.get_args_parser().parse_args(["--data", tiny_data, "--output-dir", str(tmp_path / "out"),
                                                  *TRAIN_ARGS, "--check-only", "1"]))
     assert registered == [gc.freeze]
+
+
+@pytest.mark.parametrize("planted", ["another user's folder", "a folder others may write in", "a symbolic link"])
+def test_a_distributed_run_keeps_its_records_in_tmpdir_only_in_a_folder_of_this_users_own(planted, tiny_data,
+                                                                                         tmp_path, monkeypatch,
+                                                                                         capsys):
+    """Another user on a shared node can make any name in /tmp first. The folder where the heartbeats and a mistake's
+    record are kept is this user's own, mode 700; a name taken by anything else is refused in one line as a
+    distributed run starts (before its process group forms), and never written to or read from."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    path = tmp_path / f"deeplab-{os.getuid()}"
+    assert paths.private_folder() == str(path) and stat.S_IMODE(path.stat().st_mode) == 0o700
+    path.rmdir()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    if planted == "a symbolic link":
+        path.symlink_to(elsewhere)
+        why = "is a symbolic link"
+    else:
+        path.mkdir()
+        if planted == "a folder others may write in":
+            path.chmod(0o777)
+            why = "may be written by other users (mode 777)"
+        else:
+            if os.getuid() != 0:
+                pytest.skip("making a folder another user's needs root")
+            os.chown(path, 4242, 4242)
+            why = "belongs to another user (uid 4242)"
+    assert paths.private_folder() is None
+    monkeypatch.setattr(job.RUN, "env", job.Environment(rank=0, world_size=2, run_id="planted"))
+    monkeypatch.setattr(job.RUN, "guard", job.Guard(output_dir=None))
+    assert recovery._stop_files() == [] and recovery._peers_folder() is None
+    for name, value in (("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "1")):
+        monkeypatch.setenv(name, value)  # a launcher's: the run would form a process group
+    line = main_fails(["--data", tiny_data, "--output-dir", str(tmp_path / "out"), *TRAIN_ARGS], capsys)
+    assert line == (f"main.py: error: {path} {why}, where this program keeps this user's records of a run (heartbeats, "
+                    "a mistake for torchrun's restarts): set TMPDIR to a folder of your own (export TMPDIR=$HOME/tmp), "
+                    "or remove it"), line
+    assert os.listdir(elsewhere) == [] and not (tmp_path / "out").exists()
