@@ -601,9 +601,7 @@ def keeping_previous(save):
                 os.replace(keep, previous_path(path))
             if os.path.lexists(keep):  # rename(2) of one name of a file onto another of its names does nothing
                 os.remove(keep)
-            folder = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
-            os.fsync(folder)  # the renames themselves survive a power cut
-            os.close(folder)
+            paths.sync_folder(os.path.dirname(os.path.abspath(path)))  # the renames themselves survive a power cut
         except (OSError, RuntimeError) as error:  # torch.save reports a failed write as a RuntimeError
             paths.note_free_space(error, path)
             if os.path.isfile(keep):

@@ -226,6 +226,20 @@ def write_atomically(path, data, durable=True):
         raise
 
 
+def sync_folder(folder):
+    """fsync a folder, so that the renames in it survive a power cut. Where the filesystem cannot sync a folder
+    (fsync(2): EINVAL for a file that does not support synchronization; ENOTSUP from some network mounts), the
+    renames are as safe as it makes them: not a failed save."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError as error:
+        if error.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
+            raise
+    finally:
+        os.close(fd)
+
+
 def note_free_space(error, path):
     """The free space where path is, kept with the error of a write that failed, before its half-written file goes
     (after, the disk no longer looks full)."""
@@ -288,6 +302,17 @@ def _in_the_way(error, path):
     return names[0]
 
 
+_REFUSED_CHARACTERS = '\\ : * ? " < > |'
+
+
+def _name_refused(path):
+    """Whether the last part of path holds what FAT, exFAT and SMB refuse in a name (Linux's own filesystems take
+    any character but / and NUL): then a failed write there is the name's fault, not a permission's."""
+    name = os.path.basename(os.path.normpath(path))
+    return bool(name) and (any(c in name for c in _REFUSED_CHARACTERS.split()) or name[-1] in ". "
+                           and name not in (".", ".."))
+
+
 def what_to_do(error, path):
     """The advice for a write at path that failed, chosen from the error's errno alone, whichever writer met it:
     a full disk, a folder or file in the way (named), permissions or a chattr mark (named), a read-only filesystem,
@@ -299,6 +324,12 @@ def what_to_do(error, path):
     if number in (errno.EISDIR, errno.ENOTDIR, errno.EEXIST, errno.ENOTEMPTY):
         thing = _in_the_way(error, path)
         return f"{thing} is {kind(thing) or 'there'}, in the way of the run's own: move it away"
+    refused = next((name for name in names if _name_refused(name)), None)
+    if refused and number in (errno.EINVAL, errno.EPERM, errno.EACCES):  # (vfat says EINVAL, FUSE mounts EPERM too)
+        return (f"its filesystem refuses the name {os.path.basename(refused)} (FAT, exFAT and SMB allow none of "
+                f"{_REFUSED_CHARACTERS} in a name, nor a trailing dot or space): choose another name")
+    if number == errno.ENAMETOOLONG:
+        return "the name is longer than its filesystem allows: choose a shorter one"
     if number in (errno.EPERM, errno.EACCES):
         mark = next(((name, found) for name in names if (found := marked(name))), None)
         if mark:
@@ -341,13 +372,16 @@ def check_readable(flag, path):
 
 def second_name(path, new):
     """Give the file at path the second name new (not followed, when path is a link: the link itself): a hard link,
-    or a copy where the filesystem has none (FAT, some network and FUSE ones refuse them)."""
+    or a copy of its bytes where the filesystem makes none. link(2) says EPERM where a filesystem has no hard links
+    (FAT, exFAT, SMB, many FUSE mounts), as for a link Linux's protected_hardlinks forbids; a folder this user may
+    not write is EACCES, and is raised. The copy is of the bytes alone: those filesystems refuse the calls that copy
+    permissions and times too (chmod, utime)."""
     try:
         os.link(path, new, follow_symlinks=False)
     except OSError as error:
         if error.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.EMLINK, errno.EXDEV):
             raise
-        shutil.copy2(path, new, follow_symlinks=False)
+        shutil.copyfile(path, new, follow_symlinks=False)
 
 
 def write_folder(path, write):

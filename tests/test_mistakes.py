@@ -1643,3 +1643,42 @@ def test_no_write_follows_a_link_left_where_the_run_writes(tiny_data, trained, t
     picture = out / "vis" / "epoch_001.png"
     assert not os.path.islink(picture) and Image.open(picture).format == "PNG"
     assert checkpoints.read("--resume", str(out / "checkpoint.pth"))["epoch"] == 2
+
+
+def test_saves_work_where_the_filesystem_makes_no_hard_links_and_a_name_it_refuses_is_named(tiny_data, trained,
+                                                                                             tmp_path, monkeypatch,
+                                                                                             capsys):
+    """FAT, exFAT, SMB and many FUSE mounts: link(2) says EPERM, and the calls that copy permissions and times fail
+    too. Every save keeps the checkpoint before it (a copy of its bytes), a rewind keeps what it drops, and nothing is
+    called a permission problem; a name such a filesystem refuses (vfat: EINVAL for a ':') is named as such."""
+    def refused(*args, **kwargs):
+        raise OSError(errno.EPERM, os.strerror(errno.EPERM))
+    out = tmp_path / "out"
+    shutil.copytree(trained, out)
+    with monkeypatch.context() as fat:
+        for name in ("link", "chmod", "utime"):
+            fat.setattr(os, name, refused)
+        main.main(main.get_args_parser().parse_args(["--data", tiny_data, "--output-dir", str(out), *TRAIN_ARGS,
+                                                     "--epochs", "3", "--resume", "auto"]))
+        assert "cannot write" not in capsys.readouterr().out
+        assert checkpoints.read("--resume", str(out / "checkpoint.pth"))["epoch"] == 3
+        assert checkpoints.read("--resume", str(out / "checkpoint.prev.pth"))["epoch"] == 2
+        # A rewind to the checkpoint before: what it drops is kept under names that say so.
+        from types import SimpleNamespace
+        checkpoints.rewrite_run_files_at(SimpleNamespace(output_dir=str(out)),
+                                         checkpoints.Start(str(out / "checkpoint.prev.pth")), 2, 0)
+        kept = [name for name in os.listdir(out) if ".rewound-" in name]
+        assert sorted(name.split(".rewound-")[0] for name in kept) == ["best", "checkpoint", "metrics"], kept
+
+    real_mkdir = os.mkdir
+
+    def vfat_mkdir(path, *args, **kwargs):
+        if ":" in os.path.basename(path):
+            raise OSError(errno.EINVAL, os.strerror(errno.EINVAL), path)
+        return real_mkdir(path, *args, **kwargs)
+    monkeypatch.setattr(os, "mkdir", vfat_mkdir)
+    named = tmp_path / "run:1"
+    line = main_fails(["--data", tiny_data, "--output-dir", str(named), *TRAIN_ARGS], capsys)
+    assert line == (f"main.py: error: --output-dir {named} cannot be made (Invalid argument): its filesystem refuses "
+                    "the name run:1 (FAT, exFAT and SMB allow none of \\ : * ? \" < > | in a name, nor a trailing dot "
+                    "or space): choose another name, or choose another folder"), line
