@@ -99,6 +99,7 @@ def read(flag, path):
     it}, and one saved from the DDP-wrapped model (every key "module.…") without that prefix. One without CRC-32s is
     read, and that is said once. A zip file's tensors are mapped, not read (mmap): what is checked of them is their
     shapes, and the bytes are read once, where they are used (main.py's own torch.load, a model's load_state_dict)."""
+    seen = _identity(path)  # before any check: a file changed from here on is not the one checked (checked())
     checked = verify(flag, path)
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
@@ -119,7 +120,15 @@ def read(flag, path):
             "torch.serialization.set_crc32_options(False)): it is read without a check that it is whole")
     checkpoint = normalized(checkpoint, flag, path)
     _check_contents(checkpoint, flag, path)
+    RUN.verified[os.path.abspath(path)] = seen
     return checkpoint
+
+
+def _identity(path):
+    """What tells a file from any other, or from itself changed: its device, inode, size, and the times of its last
+    write and last change (ctime, which no one can set back)."""
+    info = os.stat(path)
+    return info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns
 
 
 def _pickle_is_whole(path):
@@ -455,6 +464,15 @@ def checked(checkpoint, args, train_set):
     if checkpoint is None:
         return None
     path, classes = args.resume, train_set.classes
+    # main.py read the file again after the preflight checked it (read()): the same file, unchanged since, or no more.
+    checked_as = RUN.verified.get(os.path.abspath(path))
+    try:
+        now = _identity(path)
+    except OSError:
+        now = None  # gone since
+    if checked_as is not None and now != checked_as:
+        fail(f"--resume {path} changed after this run checked it (replaced, or written to, as the run started): run "
+             "again once nothing writes it")
     if args.model not in MODEL_NAMES or args.output_stride not in (8, 16):  # its args hold None (read() refused others)
         fail(f"--resume {path} names its model {args.model!r} at output stride {args.output_stride!r} in its args: "
              f"give --model (one of {', '.join(MODEL_NAMES)}) and --output-stride (8 or 16)")

@@ -86,8 +86,8 @@ class Records:
 class Run:
     """A run's state, all of it: a field per concern, each written by the module named beside it alone, and read as
     job.RUN.<field>. begin_run() sets every field afresh where a run starts (recovery.guard), so that a second run
-    in one process (the tests', or a process forked from one that ran) starts clean; `unchecked` alone lasts the process. Every other
-    module-level name of the harness is a constant."""
+    in one process (the tests', or a process forked from one that ran) starts clean; `unchecked` alone lasts the
+    process. Every other module-level name of the harness is a constant."""
     env: Environment = field(default_factory=Environment)  # job.read_environment (recovery.guard, first thing)
     command: Command = field(default_factory=Command)      # job.remember_command (the preflight)
     guard: Guard = field(default_factory=Guard)            # recovery.py
@@ -96,6 +96,7 @@ class Run:
     held: tuple | None = None                              # paths.py: (descriptor, path, folders made for it)
     weights: dict = field(default_factory=dict)            # checkpoints.py: {path: checkpoint}, --weights read once
     unchecked: set = field(default_factory=set)            # checkpoints.py: files without CRC-32s, said once each
+    verified: dict = field(default_factory=dict)           # checkpoints.py: {path: what os.stat said as read() began}
     records: Records = field(default_factory=Records)      # records.py
 
 

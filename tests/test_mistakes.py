@@ -1682,3 +1682,24 @@ def test_saves_work_where_the_filesystem_makes_no_hard_links_and_a_name_it_refus
     assert line == (f"main.py: error: --output-dir {named} cannot be made (Invalid argument): its filesystem refuses "
                     "the name run:1 (FAT, exFAT and SMB allow none of \\ : * ? \" < > | in a name, nor a trailing dot "
                     "or space): choose another name, or choose another folder"), line
+
+
+def test_a_checkpoint_changed_between_its_check_and_main_py_s_read_of_it_is_refused(tiny_data, trained, tmp_path,
+                                                                                      monkeypatch, capsys):
+    """The preflight verifies --resume (CRC-32s, contents), then main.py's lesson loads it again: a file replaced
+    in between (another job's save, a copy landing) would be trained from unchecked. It is refused in one line."""
+    out = tmp_path / "out"
+    shutil.copytree(trained, out)
+    real_load = torch.load
+
+    def replaced_first(path, *args, **kwargs):
+        if "mmap" not in kwargs:  # main.py's own torch.load (the preflight's read() maps the file)
+            shutil.copy(out / "best.pth", str(path) + ".new")
+            os.replace(str(path) + ".new", path)
+        return real_load(path, *args, **kwargs)
+    monkeypatch.setattr(torch, "load", replaced_first)
+    checkpoint = out / "checkpoint.pth"
+    line = main_fails(["--data", tiny_data, "--output-dir", str(out), *TRAIN_ARGS, "--epochs", "2", "--resume",
+                       str(checkpoint)], capsys)
+    assert line == (f"main.py: error: --resume {checkpoint} changed after this run checked it (replaced, or written "
+                    "to, as the run started): run again once nothing writes it"), line

@@ -21,6 +21,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import main
 from harness import checkpoints, job, paths, recovery, stops
 from conftest import (ROOT, SLOW_ARGS, TRAIN_ARGS, built_once, checkpoint_of, cpu_env, finish_ranks, fork_main,
                       fork_ranks, free_port, main_fails, metrics, processes_mentioning, run_sh_workers_line, wait_in_file)
@@ -849,3 +850,48 @@ def test_a_distributed_run_keeps_its_records_in_tmpdir_only_in_a_folder_of_this_
                     "a mistake for torchrun's restarts): set TMPDIR to a folder of your own (export TMPDIR=$HOME/tmp), "
                     "or remove it"), line
     assert os.listdir(elsewhere) == [] and not (tmp_path / "out").exists()
+
+
+def test_a_process_killed_inside_torch_save_loses_nothing_and_the_same_command_resumes(tiny_data, trained, tmp_path,
+                                                                                        monkeypatch):
+    """SIGKILL (the OOM killer, a node lost) while torch.save is writing the checkpoint: the one before stays whole,
+    and the same command resumes from it, doing the epoch in flight again, with nothing the killed save left behind.
+    A forked process: the kill is the point."""
+    out = tmp_path / "out"
+    shutil.copytree(trained, out)
+    before = (out / "checkpoint.pth").read_bytes()
+    real_save = torch.save
+
+    class Dying:
+        """The checkpoint's file, as torch.save writes it: the process is killed 64 KiB into it."""
+
+        def __init__(self, f):
+            self.f, self.written = f, 0
+
+        def write(self, data):
+            self.written += self.f.write(data)
+            if self.written > 65536:
+                self.f.flush()
+                os.kill(os.getpid(), signal.SIGKILL)
+            return len(data)
+
+        def flush(self):
+            self.f.flush()
+
+    def dying_save(obj, f, *args, **kwargs):
+        if "checkpoint.pth." in os.path.basename(getattr(f, "name", "")):  # main.py's save, not best.pth's
+            f = Dying(f)
+        return real_save(obj, f, *args, **kwargs)
+    command = ["--data", tiny_data, "--output-dir", str(out), *TRAIN_ARGS, "--epochs", "2", "--resume", "auto"]
+    with monkeypatch.context() as patch:
+        patch.setattr(torch, "save", dying_save)  # in the forked copy alone: undone here before the resume
+        killed = fork_main(command, str(tmp_path / "killed.log"))
+        killed.process.join(120)
+    assert killed.process.exitcode == -signal.SIGKILL, pathlib.Path(killed.output).read_text()
+    assert (out / "checkpoint.pth").read_bytes() == before  # the checkpoint before, whole
+    assert [name for name in os.listdir(out) if name.startswith("checkpoint.pth.") and name.endswith(".tmp")]
+    main.main(main.get_args_parser().parse_args(command))  # the same command
+    assert checkpoints.read("--resume", str(out / "checkpoint.pth"))["epoch"] == 2
+    assert (out / "checkpoint.prev.pth").read_bytes() == before
+    assert [r["epoch"] for r in metrics(str(out))] == [0, 1]  # the killed epoch's line once, from the resumed run
+    assert not [name for name in os.listdir(out) if name.endswith(".tmp")], os.listdir(out)
