@@ -192,7 +192,8 @@ def check_outputs(args, images, label_folder):
     """No output lands on an input: not on an image (checked by name), not on the checkpoint. -> how many files of
     an earlier prediction these outputs replace (said, not refused: predicting again into one folder is common)."""
     paths.check_folder("--output-dir", args.output_dir, reads=[("--resume", args.resume)])
-    paths.check_not_held("--output-dir", args.output_dir)  # a training run writes there now
+    paths.check_not_held("--output-dir", args.output_dir)  # a run writes there now, or in a folder above it
+    paths.hold("--output-dir", args.output_dir, args)  # one folder, one run: held before anything there is read
     inputs = {os.path.realpath(path) for path, _ in images} | {os.path.realpath(args.resume)}
     replaced = 0
     for _, name in images:

@@ -50,6 +50,7 @@ class Start:
     path: str = ""
     auto: bool = False
     model_given: bool = False  # --model was typed (else the model is the checkpoint's, or the default): said in lines
+    afresh: bool = False       # --output-dir holds what a first epoch stopped before its checkpoint wrote: moved aside
 
 
 def stamped(state):
@@ -99,7 +100,10 @@ def read(flag, path):
     it}, and one saved from the DDP-wrapped model (every key "module.…") without that prefix. One without CRC-32s is
     read, and that is said once. A zip file's tensors are mapped, not read (mmap): what is checked of them is their
     shapes, and the bytes are read once, where they are used (main.py's own torch.load, a model's load_state_dict)."""
-    seen = _identity(path)  # before any check: a file changed from here on is not the one checked (checked())
+    try:
+        seen = _identity(path)  # before any check: a file changed from here on is not the one checked (checked())
+    except OSError:
+        seen = None  # nothing there, or a folder that cannot be searched: verify() says which
     checked = verify(flag, path)
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))

@@ -93,7 +93,7 @@ class Run:
     guard: Guard = field(default_factory=Guard)            # recovery.py
     stops: Stops = field(default_factory=Stops)            # stops.py (afresh in stops.install)
     start: object = None                                   # preflight.py: checkpoints.Start, where the run starts
-    held: tuple | None = None                              # paths.py: (descriptor, path, folders made for it)
+    held: list = field(default_factory=list)               # paths.py: [(descriptor, lock file, folders made for it)]
     weights: dict = field(default_factory=dict)            # checkpoints.py: {path: checkpoint}, --weights read once
     unchecked: set = field(default_factory=set)            # checkpoints.py: files without CRC-32s, said once each
     verified: dict = field(default_factory=dict)           # checkpoints.py: {path: what os.stat said as read() began}

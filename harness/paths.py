@@ -10,12 +10,14 @@ predict.py use it.
     paths.write_atomically(path, data)                        # a file whole, or the old one as it was
     paths.write_folder(path, write)                           # a generated data set: whole, or not at all
     paths.hold_output(args)                                   # one folder, one run: OUTPUT_DIR/.held locked, written
+    paths.hold("--save-predictions", folder, args)            # the same for any folder a run writes (predict.py's)
     paths.check_run_files(args)                               # nothing there in the way of what the run writes
     paths.why_not_written(error), paths.what_to_do(error, path)   # a failed write's reason, and advice from its errno
-    paths.release_output()                                    # at the end of the run (recovery.guard): .held removed
+    paths.release_output()                                    # the end of the run (recovery.guard): each .held removed
 
 A name that says check and nothing more only reads; make, move, write, hold and release write.
 """
+import dataclasses
 import errno
 import fcntl
 import json
@@ -480,14 +482,18 @@ def check_run_folders(args):
 
 def check_no_run_replaced(args, start):
     """No other run in --output-dir is replaced without a word, and no file the run reads (--weights) is one that
-    --overwrite moves aside. start: checkpoints.Start (whether this run continues one there)."""
+    --overwrite moves aside. start: checkpoints.Start (whether this run continues one there). -> start; with afresh
+    set where the folder holds only what a first epoch stopped before its checkpoint wrote, and the command resumes
+    automatically (run.sh, a requeued job): that run is then started again."""
     found = [name for name in RECORDS if os.path.exists(os.path.join(args.output_dir, name))]
     if (replacing(args, start) and args.weights and not start.path
             and any(inside(args.weights, os.path.join(args.output_dir, name)) for name in RUN_FILES)):
         fail(f"--weights {args.weights} belongs to the run that --overwrite moves aside from {named('--output-dir')} "
              f"{args.output_dir}: fine-tune into another {named('--output-dir')} instead (the run stays as it is)")
     if not found or args.evaluate or args.overwrite or (start.path and names_in(start.path, args.output_dir)):
-        return
+        return start
+    if start.auto and not start.path and _first_epoch_only(args.output_dir, found):
+        return dataclasses.replace(start, afresh=True)  # the same command starts it again (make_run_outputs)
     what = f"{named('--output-dir')} {args.output_dir} holds another run ({', '.join(found)})"
     replace = "./run.sh --overwrite" if named("--output-dir") == "OUTPUT_DIR" else "--overwrite"
     aside = f"replace it with {replace} (it moves that run aside, nothing is deleted)"
@@ -498,11 +504,36 @@ def check_no_run_replaced(args, start):
     fail(f"{what}: continue it with --resume auto, choose another --output-dir, or {aside}")
 
 
+def _first_epoch_only(folder, found):
+    """Whether the run files in folder (found: their names) are what a first epoch stopped before its checkpoint
+    wrote: best.pth of that epoch, metrics.jsonl with its line alone. Nothing else of a run is there to continue."""
+    if not set(found) <= {"best.pth", "metrics.jsonl"}:
+        return False
+    try:
+        with open(os.path.join(folder, "metrics.jsonl"), "rb") as f:
+            records = [json.loads(line) for line in f if line.strip()]
+    except FileNotFoundError:
+        records = []
+    except (OSError, ValueError):
+        return False
+    if len(records) > 1 or any(not isinstance(record, dict) or record.get("epoch") != 0 for record in records):
+        return False
+    if "best.pth" not in found:
+        return True
+    import torch  # (here alone: the other writers of this module need no torch)
+    try:
+        best = torch.load(os.path.join(folder, "best.pth"), map_location="cpu", weights_only=True, mmap=True)
+        return best.get("epoch") == 1 and best.get("step") == 0
+    except Exception:  # damaged, or not a checkpoint: a person's to look at
+        return False
+
+
 def replacing(args, start):
-    """Whether --overwrite moves a run in --output-dir aside: a training run that does not continue one there
-    (not a torchrun restart, not a --resume of one of its checkpoints)."""
-    return (args.overwrite and not args.evaluate and not start.auto
-            and not (start.path and names_in(start.path, args.output_dir)))
+    """Whether a run in --output-dir is moved aside: with --overwrite, a training run that does not continue one
+    there (not a torchrun restart, not a --resume of one of its checkpoints); or what a first epoch stopped before
+    its checkpoint left (start.afresh)."""
+    return start.afresh or (args.overwrite and not args.evaluate and not start.auto
+                            and not (start.path and names_in(start.path, args.output_dir)))
 
 
 def make_run_outputs(args, start):
@@ -514,13 +545,17 @@ def make_run_outputs(args, start):
     remove_leftovers(args.output_dir)
     if replacing(args, start):
         moved = move_aside(args.output_dir, RUN_FILES, "replaced")
-        if moved:
+        if moved and start.afresh:
+            print(f"note: {args.output_dir} held only what a first epoch stopped before its checkpoint wrote: the run "
+                  f"starts again from the beginning, and those files are now in {moved}", flush=True)
+        elif moved:
             print(f"--overwrite: the run that was in {args.output_dir} is now in {moved}", flush=True)
     os.makedirs(os.path.join(args.output_dir, "vis"), exist_ok=True)
     for flag in ("--save-predictions", "--cache-dir"):
         path = getattr(args, flag[2:].replace("-", "_"))
         if path is not None:
             make_folder(flag, path)
+    RUN.held = [(fd, lock, []) for fd, lock, _ in RUN.held]  # every check passed: the folders are the run's, kept
 
 
 def _leftover(name):
@@ -592,15 +627,14 @@ def _holder(path):
         return None
 
 
-def _refuse(args, holder):
+def _refuse(flag, folder, args, holder):
     who = (f"host {holder.get('host')}, process {holder.get('pid')}, since {holder.get('since')}" if holder else
            "a process that has not said who it is")
-    out = args.output_dir
-    raise Held(f"{named('--output-dir')} {out} is in use by another run ({who}): wait for it to end, or give another "
-               f"{named('--output-dir')}" + (" (-e writes eval.json there)" if args.evaluate else ""))
+    raise Held(f"{named(flag)} {folder} is in use by another run ({who}): wait for it to end, or give another "
+               f"{named(flag)}" + (" (-e writes eval.json there)" if getattr(args, "evaluate", False) else ""))
 
 
-def _lock(fd, path, args):
+def _lock(fd, path, folder, args):
     """flock, not waiting; except for a torchrun restart whose own job's earlier attempt still holds it (its machine
     lost: a network filesystem frees the lock when the machine's lease runs out), which waits for it up to
     --dist-timeout, saying so."""
@@ -616,55 +650,82 @@ def _lock(fd, path, args):
             if not (restarted and run_id and holder.get("run_id") == run_id) or time.time() > deadline:
                 raise
             if not said:
-                print(f"note: {args.output_dir} is still held by this job's attempt before the restart (host "
+                print(f"note: {folder} is still held by this job's attempt before the restart (host "
                       f"{holder.get('host')}, process {holder.get('pid')}): waiting for it to be let go, up to "
                       "--dist-timeout", flush=True)
                 said = True
             time.sleep(2)
 
 
+def _started(pid):
+    """When the process pid started, in clock ticks since the machine booted (/proc/PID/stat's 22nd field): with the
+    host and the process id, what tells a live holder from a process id used again. None where /proc cannot say."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def hold_output(args):
-    """One folder, one run: global rank 0 of a run (training or -e) holds --output-dir for its whole life through an
-    advisory lock (flock) on OUTPUT_DIR/.held, and writes who it is there. Another run that would write there is
-    refused in one line naming the holder. The kernel lets go of the lock when its process ends, however it ends
-    (a kill -9; on a network filesystem, a lost node after the server's lease), so a dead holder never blocks the
-    next run, which says that it takes over. --check-only only looks (run.sh's preflight refuses before torchrun
-    starts). Held before anything in the folder is read or decided: a folder that does not exist yet is made for it
-    (and removed again, with the parents made for it, when the run lets go of it empty: release_output), so that no
-    other run can begin and end there between this run's checks and its first write."""
-    if job.env().rank != 0 or RUN.held is not None:
+    """One folder, one run: --output-dir held (hold)."""
+    hold("--output-dir", args.output_dir, args)
+
+
+def hold(flag, folder, args):
+    """One folder, one run: global rank 0 of a run (training, -e, predict.py) holds the folder it writes, for its
+    whole life, through an advisory lock (flock) on FOLDER/.held, and writes who it is there. Another run that would
+    write there is refused in one line naming the holder. The kernel lets go of the lock when its process ends,
+    however it ends (a kill -9; on a network filesystem, a lost node after the server's lease), so a dead holder
+    never blocks the next run, which says that it takes over (unless the record is a copy: _taken_over). --check-only
+    only looks (run.sh's preflight refuses before torchrun starts). Held before anything in the folder is read or
+    decided: a folder that does not exist yet is made for it (and removed again, with the parents made for it, when
+    the run lets go of it empty: release_output), so that no other run can begin and end there between this run's
+    checks and its first write."""
+    place = os.path.realpath(folder)
+    if job.env().rank != 0 or any(os.path.realpath(os.path.dirname(p)) == place for _, p, _ in RUN.held):
         return
-    path = os.path.join(args.output_dir, HOLD)
-    if args.check_only:
-        _refuse_if_held(args, path)
+    path = os.path.join(folder, HOLD)
+    if getattr(args, "check_only", None):
+        _refuse_if_held(flag, folder, args, path)
         return
     while True:
-        made = _make_for_holding(args.output_dir)
+        made = _make_for_holding(flag, folder)
         try:
-            fd = _open_and_lock(args, path)
+            fd = _open_and_lock(flag, folder, args, path)
             break
         except FileNotFoundError:  # a run that had made the folder let go of it empty, and removed it, meanwhile
             continue
     if fd is None:
         return  # a filesystem without locks: said
-    before = _holder(path)
-    run_id = job.env().run_id
-    if before and not (run_id and before.get("run_id") == run_id):  # (a torchrun restart of this job: its own)
-        print(f"note: {args.output_dir} was held by host {before.get('host')}, process {before.get('pid')} (since "
-              f"{before.get('since')}), which ended without letting go (killed, or its machine lost): taken over",
-              flush=True)
-    record = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.strftime("%Y-%m-%d %H:%M:%S"),
-              "run_id": run_id}
-    RUN.held = (fd, path, made)  # held: let go at the end (release_output), also if the line below fails
+    _taken_over(folder, _holder(path))
+    record = {"host": socket.gethostname(), "pid": os.getpid(), "started": _started(os.getpid()),
+              "since": time.strftime("%Y-%m-%d %H:%M:%S"), "run_id": job.env().run_id}
+    RUN.held.append((fd, path, made))  # held: let go at the end (release_output), also if the line below fails
     try:
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps(record).encode(), 0)
     except OSError as error:
-        fail(f"{named('--output-dir')} {args.output_dir} cannot be written ({why_not_written(error)}): "
-             f"{what_to_do(error, path)}")
+        fail(f"{named(flag)} {folder} cannot be written ({why_not_written(error)}): {what_to_do(error, path)}")
 
 
-def _make_for_holding(folder):
+def _taken_over(folder, before):
+    """Say what the record of a holder that no longer holds the folder was: a run killed (or its machine lost), or,
+    where its process lives on, on this host, started when the record says, a copy of another folder's record (a
+    backup, cp -a, taken while a run held it): that run holds its own folder, and is not called killed."""
+    run_id = job.env().run_id
+    if not before or (run_id and before.get("run_id") == run_id):  # (a torchrun restart of this job: its own)
+        return
+    pid = before.get("pid")
+    alive = (before.get("host") == socket.gethostname() and isinstance(pid, int) and pid > 0
+             and before.get("started") is not None and _started(pid) == before.get("started"))
+    if alive:
+        return  # a copy: nothing of this folder's to say
+    print(f"note: {folder} was held by host {before.get('host')}, process {pid} (since {before.get('since')}), "
+          "which ended without letting go (killed, or its machine lost): taken over", flush=True)
+
+
+def _make_for_holding(flag, folder):
     """The folder made with its missing parents, one level at a time. -> the levels this process made, deepest
     first (a level another process made meanwhile is not this run's)."""
     missing = []
@@ -681,7 +742,7 @@ def _make_for_holding(folder):
             except FileExistsError:
                 pass
     except OSError as error:
-        fail(f"{named('--output-dir')} {folder} cannot be made ({why_not_written(error)}): "
+        fail(f"{named(flag)} {folder} cannot be made ({why_not_written(error)}): "
              f"{what_to_do(error, folder)}, or choose another folder")
     return made
 
@@ -698,7 +759,7 @@ def _check_lock_file(path):
              "again")
 
 
-def _refuse_if_held(args, path):
+def _refuse_if_held(flag, folder, args, path):
     """--check-only: another run that holds the lock file at path is refused, found by a probe's lock, which ends
     with its descriptor. Nothing is written to find out."""
     _check_lock_file(path)
@@ -709,14 +770,14 @@ def _refuse_if_held(args, path):
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        _refuse(args, _holder(path))
+        _refuse(flag, folder, args, _holder(path))
     except OSError:
         pass  # no locks on this filesystem: the run says so when it starts
     finally:
         os.close(fd)
 
 
-def _open_and_lock(args, path):
+def _open_and_lock(flag, folder, args, path):
     """The lock file at path, made when missing, opened and locked (_lock). -> its descriptor, or None on a
     filesystem without locks (said). Another run's lock refuses this run (Held)."""
     while True:
@@ -726,16 +787,16 @@ def _open_and_lock(args, path):
         except FileNotFoundError:
             raise  # the folder is gone: hold_output makes it again
         except OSError as error:
-            fail(f"{named('--output-dir')} {args.output_dir} cannot be written ({why_not_written(error)}): "
+            fail(f"{named(flag)} {folder} cannot be written ({why_not_written(error)}): "
                  f"{what_to_do(error, path)}, or choose another folder")
         try:
-            _lock(fd, path, args)
+            _lock(fd, path, folder, args)
         except BlockingIOError:
             os.close(fd)
-            _refuse(args, _holder(path))
+            _refuse(flag, folder, args, _holder(path))
         except OSError as error:  # a filesystem without locks (Lustre mounted with noflock, some FUSE ones)
             os.close(fd)
-            print(f"note: {args.output_dir} cannot be locked ({error.strerror or error}): nothing keeps another run "
+            print(f"note: {folder} cannot be locked ({error.strerror or error}): nothing keeps another run "
                   "from writing there at the same time (docs/troubleshooting.md, one folder, one run)", flush=True)
             return None
         # The holder before removes the file as it lets go: this one must be the file the path names now.
@@ -780,27 +841,26 @@ def check_not_held(flag, path):
 
 
 def forget_hold():
-    """In a forked child (a DataLoader worker): close this process's copy of the lock's descriptor. The parent's
-    still holds it; the child's would hold it on after the parent was killed."""
-    if RUN.held is not None:
-        os.close(RUN.held[0])
-        RUN.held = None
+    """In a forked child (a DataLoader worker): close this process's copy of the locks' descriptors. The parent's
+    still hold them; the child's would hold them on after the parent was killed."""
+    for fd, _, _ in RUN.held:
+        os.close(fd)
+    RUN.held = []
 
 
 def release_output():
-    """The end of a run that held --output-dir: the lock file removed (while still held, so that no other run
-    locks a file about to go), then let go; the folders made only to hold it, left empty (a mistake found before
-    any write), removed."""
-    if RUN.held is None:
-        return
-    (fd, path, made), RUN.held = RUN.held, None
-    try:
-        os.remove(path)
-    except OSError:
-        pass  # gone (the folder moved), or a full, read-only disk: the next holder reads a stale record, no more
-    os.close(fd)
-    for level in made:
+    """The end of a run that held folders: each lock file removed (while still held, so that no other run locks a
+    file about to go), then let go; the folders made only to hold it, left empty (a mistake found before any write),
+    removed."""
+    while RUN.held:
+        fd, path, made = RUN.held.pop()
         try:
-            os.rmdir(level)
+            os.remove(path)
         except OSError:
-            break  # not empty: the run wrote there, or another run did
+            pass  # gone (the folder moved), or a full, read-only disk: the next holder reads a stale record, no more
+        os.close(fd)
+        for level in made:
+            try:
+                os.rmdir(level)
+            except OSError:
+                break  # not empty: the run wrote there, or another run did

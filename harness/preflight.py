@@ -55,10 +55,12 @@ def check_flags_and_hold_output(args):
     inference.read_mode(args, training=not args.evaluate)  # a mistake in --eval-* found before any work
     with stops.deferred():  # a stop while it takes the folder: once it holds it (let go at the end), not half-way
         paths.hold_output(args)  # before anything there is read: no other run writes there while this one does
+        if args.save_predictions:  # (its files are read before any is written: records.check_predictions_folder)
+            paths.hold("--save-predictions", args.save_predictions, args)
     paths.check_run_files(args)  # what is there in the way of the run's files: named now, not after an epoch
     RUN.start = start = checkpoints.decide_start(args)
     _complete_args(args, start)  # after this, args is read-only: the harness changes none of its flags again
-    paths.check_no_run_replaced(args, start)  # another run in --output-dir is continued, or moved aside
+    RUN.start = start = paths.check_no_run_replaced(args, start)  # another run there is continued, or moved aside
     return start.path
 
 

@@ -1703,3 +1703,79 @@ def test_a_checkpoint_changed_between_its_check_and_main_py_s_read_of_it_is_refu
                        str(checkpoint)], capsys)
     assert line == (f"main.py: error: --resume {checkpoint} changed after this run checked it (replaced, or written "
                     "to, as the run started): run again once nothing writes it"), line
+
+
+def test_predict_s_output_dir_and_save_predictions_are_held_while_written(tiny_data, trained, tmp_path, monkeypatch,
+                                                                          capsys):
+    """One folder, one run, for every writer: predict.py holds its --output-dir, and a run its --save-predictions,
+    while it writes there, so that a second run into either is refused (the refusal's line: the test above)."""
+    import predict
+    from harness import records
+    seen = []
+    real_write = paths.write_atomically
+
+    def noting(path, *args, **kwargs):
+        seen.append(paths._held(os.path.dirname(os.path.dirname(path))))  # predictions/color/NAME.png
+        return real_write(path, *args, **kwargs)
+    with monkeypatch.context() as patch:
+        patch.setattr(paths, "write_atomically", noting)
+        predict.main(predict.get_args_parser().parse_args(["--resume", os.path.join(trained, "best.pth"),
+                                                           os.path.join(trained, "vis"), "-j", "0", "--output-dir",
+                                                           str(tmp_path / "p")]))
+    assert seen and all(seen) and not paths._held(str(tmp_path / "p")), seen  # held while written, let go after
+    predictions = str(tmp_path / "predictions")
+    watch = records.watch_predictions
+
+    def noting_predictions(val_set):
+        save = val_set.save_prediction
+
+        def save_noting(index, prediction, folder):
+            seen.append(paths._held(folder))
+            save(index, prediction, folder)
+        val_set.save_prediction = save_noting
+        watch(val_set)
+    seen.clear()
+    monkeypatch.setattr(records, "watch_predictions", noting_predictions)
+    main.main(main.get_args_parser().parse_args(["--data", tiny_data, "--output-dir", str(tmp_path / "e"),
+                                                 *TRAIN_ARGS, "-e", "--resume", os.path.join(trained, "best.pth"),
+                                                 "--save-predictions", predictions]))
+    assert seen and all(seen) and not paths._held(predictions) and os.listdir(predictions), seen
+
+
+def test_a_lock_record_copied_with_its_folder_is_not_taken_for_a_killed_run(tiny_data, trained, tmp_path, capsys):
+    """A backup (cp -a) of a folder a run holds copies its .held, whose record names a live process of this host.
+    The copy's next run takes it over without calling that process killed; a record whose process id now belongs to
+    a process started later (a process id used again) is a killed run's, and said so."""
+    import socket
+    common = [*TRAIN_ARGS, "--data", tiny_data, "--epochs", "2", "--resume", "auto"]
+    for started, said in ((paths._started(os.getpid()), False), (1, True)):
+        out = tmp_path / f"copy-{said}"
+        shutil.copytree(trained, out)
+        (out / paths.HOLD).write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
+                                                  "started": started, "since": "2026-12-01 10:00:00"}))
+        main.main(main.get_args_parser().parse_args([*common, "--output-dir", str(out)]))
+        output = capsys.readouterr().out
+        assert ("which ended without letting go" in output) == said and "done: best mIoU" in output, output
+
+
+def test_a_folder_whose_first_save_was_killed_is_started_again_by_the_same_command(tiny_data, trained, tmp_path,
+                                                                                   capsys):
+    """Killed during the first epoch's checkpoint: best.pth and metrics.jsonl were written, no checkpoint. The same
+    command (run.sh, a requeued Slurm job: --resume auto) starts the run again, saying so, with those files moved
+    aside; a folder that holds more than that is still refused."""
+    out = tmp_path / "out"
+    shutil.copytree(trained, out)
+    (out / "checkpoint.pth").unlink()
+    command = ["--data", tiny_data, "--output-dir", str(out), *TRAIN_ARGS, "--epochs", "1", "--resume", "auto"]
+    main.main(main.get_args_parser().parse_args(command))
+    said = capsys.readouterr().out
+    assert (f"note: {out} held only what a first epoch stopped before its checkpoint wrote: the run starts again from "
+            f"the beginning, and those files are now in {out}/replaced-") in said and "done: best mIoU" in said, said
+    assert checkpoints.read("--resume", str(out / "checkpoint.pth"))["epoch"] == 1
+    moved = [name for name in os.listdir(out) if name.startswith("replaced-")]
+    assert sorted(os.listdir(out / moved[0])) == ["best.pth", "metrics.jsonl", "vis"]
+    # Two epochs' lines: not a first epoch's alone, refused as before.
+    (out / "checkpoint.pth").unlink()
+    with open(out / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({"epoch": 1}) + "\n")
+    assert "holds another run (best.pth, metrics.jsonl), no checkpoint to continue from" in main_fails(command, capsys)
