@@ -18,6 +18,7 @@ harness's saves add this version's format number ("format", stamped()).
 """
 import filecmp
 import functools
+import hashlib
 import json
 import math
 import os
@@ -54,8 +55,21 @@ class Start:
 
 
 def stamped(state):
-    """A checkpoint about to be written, with this version's format number (the harness's saves call it)."""
-    return {**state, "format": FORMAT}
+    """A checkpoint about to be written, with this version's format number (the harness's saves call it), and what
+    identifies its training list (training_list): a mid-epoch resume on another list is then told (_continued)."""
+    return {**state, "format": FORMAT, **({"train_list": RUN.train_list} if RUN.train_list else {})}
+
+
+def training_list(train_set, root):
+    """{"images": how many, "fingerprint": a hash of their paths below root, or None} of a training set: a data set
+    with a list of its images' paths (.images, as dataset.py's have) gets a fingerprint, any other its count alone.
+    Paths below --data: the same data set mounted elsewhere (another node, a copy) is the same list."""
+    names = getattr(train_set, "images", None)
+    fingerprint = None
+    if isinstance(names, (list, tuple)) and all(isinstance(name, str) for name in names):
+        listed = "\n".join(os.path.relpath(name, root) for name in names)
+        fingerprint = hashlib.sha1(listed.encode()).hexdigest()[:16]
+    return {"images": len(train_set), "fingerprint": fingerprint}
 
 
 # --- reading ------------------------------------------------------------------------------------------------------
@@ -465,6 +479,7 @@ def checked(checkpoint, args, train_set):
     why it cannot be: normalized(); its model and classes this run's (train_set's), its weights fitting, and for
     training its optimizer fitting the model (decide_start checked the rest of what resuming reads). Trained with
     another global batch, it continues at the step that has seen as many images. Says where the run goes on."""
+    RUN.train_list = training_list(train_set, args.data)  # written into every checkpoint of this run (stamped)
     if checkpoint is None:
         return None
     path, classes = args.resume, train_set.classes
@@ -527,6 +542,16 @@ def _continued(checkpoint, args, images):
         log(f"note: {path} is at step {step} of epoch {epoch}, and an epoch has {steps_per_epoch} steps now ("
             f"{images} training images, a global batch of {job.global_batch(args)}): epoch {epoch}'s training is "
             "done; it is evaluated and saved, and the run goes on with the next")
+        checkpoint["step"] = step = steps_per_epoch
+    then = checkpoint.get("train_list")
+    if 0 < step < steps_per_epoch and isinstance(then, dict) and then != RUN.train_list:
+        # Part-way through an epoch, its shuffle's positions are those of the list it was saved on: on another list,
+        # the rest of that shuffle would show some images twice and others never.
+        other = (f"{then.get('images')} images then, {images} now" if then.get("images") != images else
+                 f"{images} images then and now, not the same ones")
+        log(f"note: {path} was saved part-way through epoch {epoch} on another training list ({other}): epoch "
+            f"{epoch}'s training ends at its step {step} (the rest of its shuffle is of the old list); it is "
+            f"evaluated and saved, and epoch {epoch + 1} draws from this list")
         checkpoint["step"] = step = steps_per_epoch
     where = f"epoch {epoch} after step {step}" if step else f"the start of epoch {epoch}"
     best = checkpoint["best_miou"]

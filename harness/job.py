@@ -97,6 +97,7 @@ class Run:
     weights: dict = field(default_factory=dict)            # checkpoints.py: {path: checkpoint}, --weights read once
     unchecked: set = field(default_factory=set)            # checkpoints.py: files without CRC-32s, said once each
     verified: dict = field(default_factory=dict)           # checkpoints.py: {path: what os.stat said as read() began}
+    train_list: dict | None = None                         # checkpoints.py: the training list, in every checkpoint
     records: Records = field(default_factory=Records)      # records.py
 
 

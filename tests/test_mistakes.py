@@ -1779,3 +1779,33 @@ def test_a_folder_whose_first_save_was_killed_is_started_again_by_the_same_comma
     with open(out / "metrics.jsonl", "a") as f:
         f.write(json.dumps({"epoch": 1}) + "\n")
     assert "holds another run (best.pth, metrics.jsonl), no checkpoint to continue from" in main_fails(command, capsys)
+
+
+def test_a_mid_epoch_resume_on_another_training_list_ends_that_epoch_and_says_so(tiny_data, trained, tmp_path,
+                                                                                  capsys):
+    """A checkpoint keeps its training list's count and fingerprint. Images added (or swapped) between a stop
+    part-way through an epoch and its resume would have the rest of that epoch's shuffle show some images twice and
+    others never: the epoch's training ends where it stopped, said, and the next draws from the new list. On the
+    same list the resume goes on at its step, as before."""
+    from dataset import open_dataset
+    assert torch.load(os.path.join(trained, "checkpoint.pth"), weights_only=True)["train_list"] == {
+        "images": 8, "fingerprint": checkpoints.training_list(open_dataset(tiny_data, "train"), tiny_data)["fingerprint"]}
+    for other, said in ((None, False), ({"images": 12, "fingerprint": "0123456789abcdef"}, True),
+                        ({"images": 8, "fingerprint": "0123456789abcdef"}, True)):
+        out = tmp_path / f"out-{len(os.listdir(tmp_path))}"
+        shutil.copytree(trained, out)
+        checkpoint = torch.load(out / "checkpoint.pth", weights_only=True)
+        checkpoint["step"] = 1  # stopped after step 1 of epoch 1's 4
+        if other is not None:
+            checkpoint["train_list"] = other
+        torch.save(checkpoint, out / "checkpoint.pth")
+        main.main(main.get_args_parser().parse_args(["--data", tiny_data, "--output-dir", str(out), *TRAIN_ARGS,
+                                                     "--epochs", "2", "--resume", "auto"]))
+        output = capsys.readouterr().out
+        note = (f"note: {out / 'checkpoint.pth'} was saved part-way through epoch 1 on another training list ("
+                + ("12 images then, 8 now" if other and other["images"] == 12 else
+                   "8 images then and now, not the same ones")
+                + "): epoch 1's training ends at its step 1 (the rest of its shuffle is of the old list); it is "
+                  "evaluated and saved, and epoch 2 draws from this list")
+        assert (note in output) == said and "done: best mIoU" in output, output
+        assert f"resuming from {out / 'checkpoint.pth'} at epoch 1 after step {4 if said else 1} " in output, output
