@@ -201,7 +201,11 @@ def data_worker_lost(error):
         fewer = "-j 0 (loading in this process)" if workers == 1 else f"-j {workers // 2} or -j 0"
     training = RUN.guard.program == "main.py" and not getattr(RUN.guard.args, "evaluate", False)
     last = f" The last checkpoint is kept: then {job.resume_advice()}." if training else ""
-    if "unable to allocate shared memory" in text or "Bus error" in text:
+    noted = False
+    with suppress(OSError, TypeError):  # a worker's note that it could not hand over a batch (TypeError: no folder)
+        os.remove(stops.batch_not_handed_over(os.getpid()))
+        noted = True
+    if "unable to allocate shared memory" in text or "Bus error" in text or noted:
         try:
             shm = os.statvfs("/dev/shm")
             free = f", {shm.f_bavail * shm.f_frsize / 2**20:.0f} MiB free"

@@ -19,12 +19,14 @@ point. This module's state is job.RUN.stops.
 """
 import errno
 import functools
+import multiprocessing.queues
 import os
+import resource
 import signal
 import sys
 import threading
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 
 import torch
 import torch.distributed as dist
@@ -188,10 +190,34 @@ def shield_workers(*loaders):
 
 def _worker_init(parent, worker_id):
     paths.forget_hold()  # a forked worker's copy of --output-dir's lock would hold it after its parent was killed
+    # A batch that cannot be handed over ends this worker, by SIGBUS's default action, without a core file.
+    multiprocessing.queues.Queue._on_queue_feeder_error = staticmethod(_batch_not_handed_over)
+    resource.setrlimit(resource.RLIMIT_CORE, (0, resource.getrlimit(resource.RLIMIT_CORE)[1]))
+    signal.signal(signal.SIGBUS, signal.SIG_DFL)  # (not faulthandler's traceback, where it is on)
     # Blocked in this thread before the next starts: every thread of the worker then blocks them, and the signals
     # wait for sigwaitinfo, which tells who sent each.
     signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     threading.Thread(target=_end_on_parents_sigterm, args=(parent,), daemon=True, name="stops").start()
+
+
+def _batch_not_handed_over(error, batch):
+    """In a DataLoader worker, where a batch put on its queue fails: its tensors are moved into shared memory by
+    the queue's feeder thread, and with /dev/shm full that raises there (torch's "unable to allocate shared memory").
+    multiprocessing's own hook prints a traceback and drops the batch, and the parent waits for it forever (seen:
+    predict.py with a 1 MB /dev/shm). The worker ends instead as a full /dev/shm ends one that writes into it, by
+    SIGBUS: torch's parent then raises "DataLoader worker (pid N) is killed by signal: Bus error", which
+    recovery.data_worker_lost turns into one line. torch may notice the worker gone before it hears the signal, and
+    then says "exited unexpectedly", as for the out-of-memory killer: so the worker leaves a note for its parent
+    first (batch_not_handed_over)."""
+    with suppress(OSError, TypeError):  # (TypeError: no private folder; the line is then the general one)
+        os.close(os.open(batch_not_handed_over(os.getppid()), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+    os.kill(os.getpid(), signal.SIGBUS)
+
+
+def batch_not_handed_over(parent):
+    """The note a DataLoader worker of the process parent leaves where a batch could not be handed over: in this
+    user's own folder in TMPDIR (/dev/shm is full)."""
+    return os.path.join(paths.private_folder(), f"batch-not-handed-over-{parent}")
 
 
 def _end_on_parents_sigterm(parent):

@@ -236,6 +236,21 @@ def main_fails(argv, capsys, code=1):
     return one_error_line(capsys)
 
 
+def no_shared_memory_in_workers(monkeypatch):
+    """torch's storages refuse to move into shared memory in a DataLoader worker, with torch's words for a full
+    /dev/shm: as a batch's tensors meet it in the queue's feeder thread (seen with a 1 MB /dev/shm, a mount namespace's
+    own: that hung predict.py)."""
+    import torch
+    real = torch.UntypedStorage._share_fd_cpu_
+
+    def refused(self, *args, **kwargs):
+        if torch.utils.data.get_worker_info() is not None:
+            raise RuntimeError("unable to allocate shared memory(shm) for file </torch_4242_0_1>: No space left on "
+                               "device (28)")
+        return real(self, *args, **kwargs)
+    monkeypatch.setattr(torch.UntypedStorage, "_share_fd_cpu_", refused)
+
+
 def varied_model(seed=0):
     """The tests' tiny DeepLab with random weights, made to predict many classes: random weights alone give
     logits whose mean differs far more from class to class than from pixel to pixel (one class everywhere),

@@ -12,7 +12,7 @@ import torch
 from PIL import Image
 
 from harness import checkpoints
-from conftest import ROOT, TRAIN_ARGS, fingerprint, free_port, no_space, run, varied_model
+from conftest import ROOT, TRAIN_ARGS, fingerprint, free_port, no_shared_memory_in_workers, no_space, run, varied_model
 from dataset import CLASS_COLORS, TRAINID_TO_ID
 import predict
 
@@ -171,3 +171,15 @@ def test_a_gif_in_a_folder_is_skipped_and_said_and_read_when_named_by_itself(tmp
             in capsys.readouterr().out)
     assert [name for _, name in predict.find_images([str(tmp_path / "clip.gif")], str(tmp_path / "out"))] == \
         ["clip.gif"]
+
+
+def test_a_batch_a_worker_cannot_hand_over_ends_in_one_line_not_a_hang(checkpoint, tmp_path, monkeypatch, capsys):
+    """With /dev/shm full, a worker's batch failed in its queue's feeder thread and was dropped: predict.py waited for
+    it forever. Now the worker ends, and the line names shared memory and what to give."""
+    inputs = str(tmp_path / "photos")
+    write_images(inputs, broken=False)
+    no_shared_memory_in_workers(monkeypatch)
+    line = _fails(["--resume", checkpoint, inputs, "--output-dir", str(tmp_path / "out"), "-j", "2"], capsys)
+    assert re.fullmatch(r"predict\.py: error: a data loading worker could not hand over a batch: shared memory "
+                        r"\(/dev/shm, \d+ MiB free\) is most likely too small: give -j 1 or -j 0, or more shared "
+                        r"memory \(Docker: --shm-size=8g\)\.", line), line

@@ -14,8 +14,8 @@ import torch
 import dataset
 import main
 from harness import checkpoints, job, stops
-from conftest import (ROOT, TRAIN_ARGS, cpu_env, fork_main, free_port, one_error_line, processes_mentioning,
-                      wait_in_file)
+from conftest import (ROOT, TRAIN_ARGS, cpu_env, fork_main, free_port, no_shared_memory_in_workers, one_error_line,
+                      processes_mentioning, wait_in_file)
 
 
 
@@ -310,14 +310,20 @@ def test_a_run_under_run_sh_takes_back_the_sigterm_its_torchrun_leaves_ignored(t
         job.RUN.env = job.Environment()  # (the next test's run reads its own)
 
 
-@pytest.mark.parametrize("how", ["killed", "shared memory"])
+@pytest.mark.parametrize("how", ["killed", "shared memory", "a batch not handed over"])
 def test_a_data_worker_that_dies_or_finds_no_shared_memory_ends_in_one_line(tiny_data, tmp_path, monkeypatch,
                                                                             capsys, how):
     """A DataLoader worker killed (SIGKILL: the out-of-memory killer's signal) or short of shared memory (a small
-    /dev/shm: Docker's 64 MB) ended in torch's traceback. Now one line that names the cause and what to change (-j,
-    memory, --shm-size) and keeps the checkpoint. The worker here kills itself, or raises torch's own words for a
-    full /dev/shm (a real one is not made here)."""
+    /dev/shm: Docker's 64 MB) ended in torch's traceback, or hung where the batch was lost in the queue's feeder
+    thread. Now one line that names the cause and what to change (-j, memory, --shm-size) and keeps the checkpoint.
+    The worker here kills itself, raises torch's own words for a full /dev/shm, or meets them as its batch is put on
+    the queue (no_shared_memory_in_workers)."""
+    if how == "a batch not handed over":
+        no_shared_memory_in_workers(monkeypatch)
+
     def fail_in_a_worker(self, index):
+        if how == "a batch not handed over":
+            return real(self, index)
         if torch.utils.data.get_worker_info() is not None:
             if how == "killed":
                 os.kill(os.getpid(), signal.SIGKILL)
