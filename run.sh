@@ -171,6 +171,10 @@ if [ "$NNODES" -gt 1 ]; then
           --rdzv-conf "join_timeout=$JOIN_TIMEOUT")
 else
   LAUNCH=(--standalone)  # a free port on this machine, no rendezvous server to set up
+  # One machine: gloo's connections between the workers on the loopback alone (Linux's lo), not on an address other
+  # machines reach, unless GLOO_SOCKET_IFNAME is set. (torch's stores listen on every interface whatever the address
+  # they are given: docs/how-it-works.md.)
+  if [ -z "${GLOO_SOCKET_IFNAME:-}" ] && [ -e /sys/class/net/lo ]; then export GLOO_SOCKET_IFNAME=lo; fi
 fi
 # --resume auto: run again, the same line carries on from the run's last checkpoint (an epoch's end, or where a
 # stop saved; and says so when it had finished); arguments after ./run.sh come last and win.

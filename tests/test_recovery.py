@@ -230,6 +230,9 @@ def killed_twice(data24, tmp_path_factory):
                 log += _wait_for(process, at)
                 workers = sorted(_workers(out))
                 assert len(workers) == 2, (workers, log)
+                with open(f"/proc/{workers[rank]}/environ", "rb") as f:  # (gloo's interface, as run.sh set it)
+                    pathlib.Path(folder, "gloo").write_bytes(b"".join(
+                        v.split(b"=", 1)[1] for v in f.read().split(b"\0") if v.startswith(b"GLOO_SOCKET_IFNAME=")))
                 os.kill(workers[rank], signal.SIGKILL)  # torchrun starts local rank 0 first: the lower PID
             log += process.communicate(timeout=180)[0]
         finally:  # (conftest's clean-up knows a test's own folder, not this one)
@@ -240,7 +243,8 @@ def killed_twice(data24, tmp_path_factory):
         pathlib.Path(folder, "said.log").write_text(log)
         pathlib.Path(folder, "status").write_text(str(process.returncode))
     folder = pathlib.Path(built_once(tmp_path_factory, "killed_twice", kill_twice))
-    return int((folder / "status").read_text()), (folder / "said.log").read_text(), str(folder / "out")
+    return (int((folder / "status").read_text()), (folder / "said.log").read_text(), str(folder / "out"),
+            (folder / "gloo").read_text())
 
 
 @pytest.mark.launch
@@ -248,9 +252,10 @@ def test_torchrun_restarts_a_killed_worker_and_the_run_finishes(killed_twice):
     """A worker of run.sh's two killed mid-epoch, twice (killed_twice: rank 0's, then rank 1's): torchrun restarts
     the workers each time, and they resume and finish, each epoch once. A launch: run.sh's torchrun and its
     restarts are the point."""
-    status, log, out = killed_twice
+    status, log, out, gloo = killed_twice
     assert status == 0, log
     assert "restart 1 by torchrun" in log and "restart 2 by torchrun" in log, log
+    assert gloo == "lo"  # one machine: the workers' gloo connections on the loopback alone (run.sh)
     assert [r["epoch"] for r in metrics(out)] == [0, 1, 2]  # each epoch once, none lost
     assert checkpoint_of(out)["epoch"] == 3  # the final checkpoint is after the last epoch
 
@@ -268,7 +273,7 @@ def test_a_killed_rank_is_named_gone_by_the_rank_that_outlives_it(killed_twice):
     rank 1's. Each time the other rank names it as gone, once, from its heartbeat, before torchrun stops it to
     restart both. (The store the ranks met at is torchrun's agent's, not rank 0's.) A launch: run.sh's torchrun is
     the point."""
-    _, log, _ = killed_twice
+    _, log, _, _ = killed_twice
     errors = [line for line in log.splitlines() if line.startswith("main.py: error:")]
     assert len(errors) == 2, log  # one for each kill, none from the workers torchrun stopped
     _assert_named_gone(errors[0], killed=0)
