@@ -192,8 +192,9 @@ def check_outputs(args, images, label_folder):
     """No output lands on an input: not on an image (checked by name), not on the checkpoint. -> how many files of
     an earlier prediction these outputs replace (said, not refused: predicting again into one folder is common)."""
     paths.check_folder("--output-dir", args.output_dir, reads=[("--resume", args.resume)])
-    paths.check_not_held("--output-dir", args.output_dir)  # a run writes there now, or in a folder above it
-    paths.hold("--output-dir", args.output_dir, args)  # one folder, one run: held before anything there is read
+    if job.env().rank == 0:  # (which holds it for the job: the other ranks would find it held, by rank 0)
+        paths.check_not_held("--output-dir", args.output_dir)  # a run writes there now, or in a folder above it
+        paths.hold("--output-dir", args.output_dir, args)  # one folder, one run: held before anything there is read
     inputs = {os.path.realpath(path) for path, _ in images} | {os.path.realpath(args.resume)}
     replaced = 0
     for _, name in images:

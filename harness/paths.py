@@ -383,7 +383,11 @@ def second_name(path, new):
     except OSError as error:
         if error.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.EMLINK, errno.EXDEV):
             raise
-        shutil.copyfile(path, new, follow_symlinks=False)
+        if os.path.islink(path):
+            os.symlink(os.readlink(path), new)  # (fails where anything has the name new, as link() does)
+            return
+        with open(path, "rb") as source, open(new, "xb") as copy:  # "x": never through a link left at new
+            shutil.copyfileobj(source, copy)
 
 
 def write_folder(path, write):
@@ -560,7 +564,7 @@ def make_run_outputs(args, start):
 
 def _leftover(name):
     """A temporary file of a write that was killed: a run file's name, a dot, anything, ".tmp" (main.py's
-    checkpoint.pth.tmp, temporary_name()'s)."""
+    checkpoint.pth.PID-TIME.tmp, temporary_name()'s)."""
     return name.endswith(".tmp") and any(name.startswith(f"{run_file}.") for run_file in RECORDS)
 
 
@@ -630,8 +634,9 @@ def _holder(path):
 def _refuse(flag, folder, args, holder):
     who = (f"host {holder.get('host')}, process {holder.get('pid')}, since {holder.get('since')}" if holder else
            "a process that has not said who it is")
+    eval_json = getattr(args, "evaluate", False) and flag == "--output-dir"
     raise Held(f"{named(flag)} {folder} is in use by another run ({who}): wait for it to end, or give another "
-               f"{named(flag)}" + (" (-e writes eval.json there)" if getattr(args, "evaluate", False) else ""))
+               f"{named(flag)}" + (" (-e writes eval.json there)" if eval_json else ""))
 
 
 def _lock(fd, path, folder, args):
