@@ -249,6 +249,10 @@ def no_shared_memory_in_workers(monkeypatch):
                                "device (28)")
         return real(self, *args, **kwargs)
     monkeypatch.setattr(torch.UntypedStorage, "_share_fd_cpu_", refused)
+    # The parent notices a worker gone after a wait for its queue of MP_STATUS_CHECK_INTERVAL (5 s), bound as a
+    # default argument: half a second here, the same path.
+    from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
+    monkeypatch.setattr(_MultiProcessingDataLoaderIter._try_get_data, "__defaults__", (0.5,))
 
 
 def varied_model(seed=0):

@@ -22,12 +22,12 @@ from harness import preflight
 CONTRACT = os.path.join(ROOT, "tests", "contract")  # dataset.py and models.py written from main.py's docstring alone
 
 
-@pytest.mark.launch
-def test_without_its_harness_main_py_trains_evaluates_and_saves_on_two_processes_and_resumes(tiny_data, tmp_path):
-    """The lesson lifted into a folder of its own and run there by fresh interpreters, which find nothing else of the
-    project. Its training runs under torchrun on two processes, the launch the tutorial teaches being the point; the
-    resume runs as one plain process (python main.py: one interpreter to start, not torchrun's and two workers'),
-    which the lesson allows too: it proves the lesson reads its checkpoint and goes on at the next epoch."""
+def test_without_its_harness_main_py_trains_evaluates_saves_and_resumes(tiny_data, tmp_path, capsys):
+    """The lesson lifted into a folder of its own beside models.py, dataset.py and images.py: it imports nothing else of
+    the project, and with the project's own data set and model it trains, evaluates, saves, and resumes at the next
+    epoch from its checkpoint. In this process, imported from that folder: the launches the tutorial teaches (torchrun
+    on two processes, a plain python main.py) are the next test's, on the lesson and the contract's data set and
+    model."""
     with open(os.path.join(ROOT, "main.py")) as f:
         stripped, taken = lesson.strip(f.read())
     # Taking the harness out took no statement of the lesson with it (no lesson line needs a value of the harness).
@@ -38,20 +38,20 @@ def test_without_its_harness_main_py_trains_evaluates_and_saves_on_two_processes
     project = {os.path.splitext(name)[0] for name in os.listdir(ROOT) if name.endswith(".py")} | {"harness"}
     assert {name.split(".")[0] for name in imported} & project == {"models", "dataset"}, imported
     assert "harness" not in stripped.lower()  # no word of it left: every comment is about what remains
-    folder = tmp_path / "lesson"
-    folder.mkdir()
-    (folder / "main.py").write_text(stripped)
-    for name in ("models.py", "dataset.py", "images.py"):  # the tutorial's two imports, and dataset's own reader
-        shutil.copy(os.path.join(ROOT, name), folder / name)
+    folder = _lesson_in(tmp_path / "lesson", *(os.path.join(ROOT, name) for name in ("models.py", "dataset.py",
+                                                                                     "images.py")))
+    spec = importlib.util.spec_from_file_location("lifted_lesson", folder / "main.py")
+    lifted = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(lifted)  # (its models and dataset: the project's, the same files as the copies)
     out = str(tmp_path / "out")
-    lesson_args = ["main.py", "--data", tiny_data, "--output-dir", out, *TRAIN_ARGS]
-    said = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *lesson_args,
-                "--epochs", "1"], cwd=str(folder))
-    assert "2 process(es), backend gloo" in said and "epoch 0: train loss" in said and "mIoU" in said, said
+    lesson_args = ["--data", tiny_data, "--output-dir", out, *TRAIN_ARGS]
+    lifted.main(lifted.get_args_parser().parse_args([*lesson_args, "--epochs", "1"]))
+    said = capsys.readouterr().out
+    assert "1 process(es), backend none" in said and "epoch 0: train loss" in said and "mIoU" in said, said
     assert torch.load(os.path.join(out, "checkpoint.pth"), weights_only=True)["epoch"] == 1
-    said = run([sys.executable, *lesson_args, "--epochs", "2", "--resume", os.path.join(out, "checkpoint.pth")],
-               cwd=str(folder))
-    assert "1 process(es), backend none" in said, said
+    lifted.main(lifted.get_args_parser().parse_args([*lesson_args, "--epochs", "2", "--resume",
+                                                     os.path.join(out, "checkpoint.pth")]))
+    said = capsys.readouterr().out
     assert "epochs 1..1" in said and "epoch 1: train loss" in said and "epoch 0 step" not in said, said
     assert torch.load(os.path.join(out, "checkpoint.pth"), weights_only=True)["epoch"] == 2
 
