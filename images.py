@@ -125,13 +125,15 @@ def check_label_bytes(path, header=None):
         return
     try:  # what the bytes hold, as PIL names it: the file is refused either way
         with Image.open(path) as f:
-            held = f"{f.format} bytes"
-    except Exception:  # not an image PIL knows (an HTML page, say), or nothing at all
-        held = "bytes of no image format" if header else "nothing (0 bytes)"
-    why = ("JPEG's compression changes class indices; converting this file keeps the changed ones" if held ==
-           "JPEG bytes" else "a PNG keeps class indices exactly, as JPEG's compression does not")
-    raise BadInput(f"{path} holds {held}, not a PNG's, whatever its name says: export the label again as a PNG from "
-                   f"its source ({why})")
+            held = f.format
+    except Exception:  # not an image PIL knows (an HTML page: a download that failed), or nothing at all
+        size = os.path.getsize(path)
+        what = f"{size} bytes of something else" if size else "nothing (0 bytes)"
+        raise BadInput(f"{path} is not an image (it holds {what}): copy or download it again") from None
+    why = ("JPEG's compression changes class indices; converting this file keeps the changed ones" if held == "JPEG"
+           else "labels are read as PNGs")
+    raise BadInput(f"{path} holds {held} bytes, not a PNG's, whatever its name says: export the label again as a PNG "
+                   f"from its source ({why})")
 
 
 def decode_label(path):

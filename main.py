@@ -418,15 +418,16 @@ def save_checkpoint(state, path):
     # A new name each save (the process id alone is 1 in every run of a container). Mode "x" creates the file, or
     # fails where anything has that name: never a write through a symbolic link someone left there.
     temporary = f"{path}.{os.getpid()}-{time.time_ns()}.tmp"
-    with open(temporary, "xb") as f:
-        try:
+    f = open(temporary, "xb")
+    try:
+        with f:
             torch.save(state, f)
             f.flush()
             os.fsync(f.fileno())
-        except BaseException:  # a full disk, Ctrl-C: no half-written file left behind
-            os.remove(temporary)
-            raise
-    os.replace(temporary, path)
+        os.replace(temporary, path)
+    except BaseException:  # a full disk, Ctrl-C: nothing half-written left (a kill -9 leaves a checkpoint.pth.*.tmp)
+        os.remove(temporary)
+        raise
 
 
 def build(args):

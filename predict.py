@@ -188,9 +188,10 @@ def export_onnx(model, path, replacing=False):
           + (" (the earlier export there is replaced)" if replacing else ""))
 
 
-def check_outputs(args, images, label_folder):
-    """No output lands on an input: not on an image (checked by name), not on the checkpoint. -> how many files of
-    an earlier prediction these outputs replace (said, not refused: predicting again into one folder is common)."""
+def hold_and_check_outputs(args, images, label_folder):
+    """--output-dir held for this run (rank 0), then checked: no output lands on an input, not on an image (checked
+    by name), not on the checkpoint. -> how many files of an earlier prediction these outputs replace (said, not
+    refused: predicting again into one folder is common)."""
     paths.check_folder("--output-dir", args.output_dir, reads=[("--resume", args.resume)])
     if job.env().rank == 0:  # (which holds it for the job: the other ranks would find it held, by rank 0)
         paths.check_not_held("--output-dir", args.output_dir)  # a run writes there now, or in a folder above it
@@ -322,7 +323,7 @@ def main(args):
     # The label maps' folder: Cityscapes' labelIds or trainIds, or the class indices of another model's classes.
     label_folder = "labelIds" if args.format == "labelid" else "trainIds" if cityscapes else "labels"
     images = find_images(args.inputs, args.output_dir)
-    replaced = check_outputs(args, images, label_folder)
+    replaced = hold_and_check_outputs(args, images, label_folder)
     paths.make_folder("--output-dir", args.output_dir)
     if replaced:
         job.log(f"note: {args.output_dir} holds an earlier prediction: {replaced} of its files are replaced")

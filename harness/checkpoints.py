@@ -143,10 +143,15 @@ def read(flag, path):
 
 
 def _identity(path):
-    """What tells a file from any other, or from itself changed: its device, inode, size, and the times of its last
-    write and last change (ctime, which no one can set back)."""
-    info = os.stat(path)
-    return info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns
+    """What tells a file from any other, or from itself rewritten: its device, inode, size and last write. Read from
+    the file opened (fstat): a network filesystem checks an open file's attributes with its server, where a stat of
+    the name may answer from its cache. (Not ctime: a rewind's second name for the file changes it.)"""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # (O_NONBLOCK: a named pipe would wait for a writer)
+    try:
+        info = os.fstat(fd)
+    finally:
+        os.close(fd)
+    return info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns
 
 
 def _pickle_is_whole(path):

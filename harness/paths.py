@@ -308,11 +308,15 @@ _REFUSED_CHARACTERS = '\\ : * ? " < > |'
 
 
 def _name_refused(path):
-    """Whether the last part of path holds what FAT, exFAT and SMB refuse in a name (Linux's own filesystems take
-    any character but / and NUL): then a failed write there is the name's fault, not a permission's."""
+    """Whether the last part of path holds a character FAT, exFAT and SMB refuse in a name (Linux's own filesystems
+    take any but / and NUL): then a write there that fails as an invalid argument is the name's fault."""
     name = os.path.basename(os.path.normpath(path))
-    return bool(name) and (any(c in name for c in _REFUSED_CHARACTERS.split()) or name[-1] in ". "
-                           and name not in (".", ".."))
+    return any(c in name for c in _REFUSED_CHARACTERS.split())
+
+
+def _refused_name(path):
+    return (f"its filesystem refuses the name {os.path.basename(os.path.normpath(path))} (FAT, exFAT and SMB allow "
+            f"none of {_REFUSED_CHARACTERS} in a name): choose another name")
 
 
 def what_to_do(error, path):
@@ -326,10 +330,10 @@ def what_to_do(error, path):
     if number in (errno.EISDIR, errno.ENOTDIR, errno.EEXIST, errno.ENOTEMPTY):
         thing = _in_the_way(error, path)
         return f"{thing} is {kind(thing) or 'there'}, in the way of the run's own: move it away"
+    # A name FAT, exFAT or SMB refuse: vfat says EINVAL; some FUSE mounts EPERM, in a folder this user may write.
     refused = next((name for name in names if _name_refused(name)), None)
-    if refused and number in (errno.EINVAL, errno.EPERM, errno.EACCES):  # (vfat says EINVAL, FUSE mounts EPERM too)
-        return (f"its filesystem refuses the name {os.path.basename(refused)} (FAT, exFAT and SMB allow none of "
-                f"{_REFUSED_CHARACTERS} in a name, nor a trailing dot or space): choose another name")
+    if number == errno.EINVAL and refused:
+        return _refused_name(refused)
     if number == errno.ENAMETOOLONG:
         return "the name is longer than its filesystem allows: choose a shorter one"
     if number in (errno.EPERM, errno.EACCES):
@@ -337,6 +341,8 @@ def what_to_do(error, path):
         if mark:
             return f"{mark[0]} is marked {mark[1][0]} (lsattr): clear it with chattr -{mark[1][1]} {mark[0]}"
         folder = os.path.dirname(os.path.abspath(names[0]))  # where the failed call wrote: its name's folder
+        if refused and os.access(os.path.dirname(os.path.abspath(refused)), os.W_OK | os.X_OK):
+            return _refused_name(refused)
         return f"give this user write permission to {folder} and the files in it (ls -l {folder})"
     if number == errno.EROFS:
         return "its filesystem is mounted read-only: choose a folder on another one"
@@ -376,8 +382,8 @@ def second_name(path, new):
     """Give the file at path the second name new (not followed, when path is a link: the link itself): a hard link,
     or a copy of its bytes where the filesystem makes none. link(2) says EPERM where a filesystem has no hard links
     (FAT, exFAT, SMB, many FUSE mounts), as for a link Linux's protected_hardlinks forbids; a folder this user may
-    not write is EACCES, and is raised. The copy is of the bytes alone: those filesystems refuse the calls that copy
-    permissions and times too (chmod, utime)."""
+    not write is EACCES, and is raised. The copy is of the bytes alone: some of those filesystems refuse a chmod to a
+    mode they cannot hold, which copying the permissions would make."""
     try:
         os.link(path, new, follow_symlinks=False)
     except OSError as error:
@@ -455,9 +461,17 @@ def check_private_folder():
     folder, one line says so, before any rank relies on it."""
     path = _private_path()
     why = _not_private(path) if os.path.lexists(path) else None
-    if why:
-        fail(f"{path} {why}, where this program keeps this user's records of a run (heartbeats, a mistake for "
-             "torchrun's restarts): set TMPDIR to a folder of your own (export TMPDIR=$HOME/tmp), or remove it")
+    if not why:
+        return
+    own = "mkdir -p ~/tmp && export TMPDIR=~/tmp, then run again"
+    if why.startswith("may be written"):  # this user's own folder
+        advice = f"chmod 700 {path}, or {own}"
+    elif os.lstat(path).st_uid == os.getuid():  # this user's own link or file
+        advice = f"remove it (rm {path}), or {own}"
+    else:
+        advice = own  # another user's: not this user's to remove (/tmp's sticky bit)
+    fail(f"{path} {why}, where this program keeps this user's records of a run (heartbeats, a mistake for "
+         f"torchrun's restarts): {advice}")
 
 
 # --- main.py's folders ----------------------------------------------------------------------------------------
@@ -490,14 +504,17 @@ def check_no_run_replaced(args, start):
     set where the folder holds only what a first epoch stopped before its checkpoint wrote, and the command resumes
     automatically (run.sh, a requeued job): that run is then started again."""
     found = [name for name in RECORDS if os.path.exists(os.path.join(args.output_dir, name))]
+    if (found and not (args.evaluate or args.overwrite) and start.auto and not start.path
+            and _first_epoch_only(args.output_dir, found)):
+        start = dataclasses.replace(start, afresh=True)  # the same command starts it again (make_run_outputs)
+    moves = "--overwrite moves" if args.overwrite else "is moved"
     if (replacing(args, start) and args.weights and not start.path
             and any(inside(args.weights, os.path.join(args.output_dir, name)) for name in RUN_FILES)):
-        fail(f"--weights {args.weights} belongs to the run that --overwrite moves aside from {named('--output-dir')} "
+        fail(f"--weights {args.weights} belongs to the run that {moves} aside from {named('--output-dir')} "
              f"{args.output_dir}: fine-tune into another {named('--output-dir')} instead (the run stays as it is)")
-    if not found or args.evaluate or args.overwrite or (start.path and names_in(start.path, args.output_dir)):
+    if not found or args.evaluate or args.overwrite or start.afresh or (start.path and names_in(start.path,
+                                                                                                  args.output_dir)):
         return start
-    if start.auto and not start.path and _first_epoch_only(args.output_dir, found):
-        return dataclasses.replace(start, afresh=True)  # the same command starts it again (make_run_outputs)
     what = f"{named('--output-dir')} {args.output_dir} holds another run ({', '.join(found)})"
     replace = "./run.sh --overwrite" if named("--output-dir") == "OUTPUT_DIR" else "--overwrite"
     aside = f"replace it with {replace} (it moves that run aside, nothing is deleted)"
@@ -515,7 +532,9 @@ def _first_epoch_only(folder, found):
         return False
     try:
         with open(os.path.join(folder, "metrics.jsonl"), "rb") as f:
-            records = [json.loads(line) for line in f if line.strip()]
+            lines = f.read().split(b"\n")
+        # (the last line, unended: a write the stop cut short, as rewrite_run_files_at drops it too)
+        records = [json.loads(line) for line in lines[:-1] if line.strip()]
     except FileNotFoundError:
         records = []
     except (OSError, ValueError):

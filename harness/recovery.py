@@ -201,11 +201,16 @@ def data_worker_lost(error):
         fewer = "-j 0 (loading in this process)" if workers == 1 else f"-j {workers // 2} or -j 0"
     training = RUN.guard.program == "main.py" and not getattr(RUN.guard.args, "evaluate", False)
     last = f" The last checkpoint is kept: then {job.resume_advice()}." if training else ""
-    noted = False
-    with suppress(OSError, TypeError):  # a worker's note that it could not hand over a batch (TypeError: no folder)
-        os.remove(stops.batch_not_handed_over(os.getpid()))
-        noted = True
-    if "unable to allocate shared memory" in text or "Bus error" in text or noted:
+    noted = None  # a worker's note of the error that kept it from handing over a batch (stops._batch_not_handed_over)
+    with suppress(OSError, TypeError):  # (TypeError: no private folder)
+        note = stops.batch_not_handed_over(os.getpid())
+        if os.stat(note).st_mtime >= RUN.guard.started:  # not a note left for an earlier process of this id
+            with open(note, errors="replace") as f:
+                noted = f.read()
+        os.remove(note)
+    if noted is not None and "shared memory" not in noted and "No space left" not in noted:
+        return f"a data loading worker could not hand over a batch ({noted}): give -j 0 to see where.{last}"
+    if "unable to allocate shared memory" in text or "Bus error" in text or noted is not None:
         try:
             shm = os.statvfs("/dev/shm")
             free = f", {shm.f_bavail * shm.f_frsize / 2**20:.0f} MiB free"

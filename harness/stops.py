@@ -18,10 +18,10 @@ A name that begins with ranks_ is a collective (here and in the whole harness): 
 point. This module's state is job.RUN.stops.
 """
 import errno
+import ctypes
 import functools
 import multiprocessing.queues
 import os
-import resource
 import signal
 import sys
 import threading
@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from . import job, paths
-from .errors import Finished, fail
+from .errors import Finished, fail, first_line
 from .job import RUN, log
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
@@ -190,10 +190,10 @@ def shield_workers(*loaders):
 
 def _worker_init(parent, worker_id):
     paths.forget_hold()  # a forked worker's copy of --output-dir's lock would hold it after its parent was killed
-    # A batch that cannot be handed over ends this worker, by SIGBUS's default action, without a core file.
+    # A batch that cannot be handed over ends this worker (_batch_not_handed_over), by SIGBUS's default action: not
+    # torch's own handler for a worker's SIGBUS, installed before this runs, which would print a line of its own.
     multiprocessing.queues.Queue._on_queue_feeder_error = staticmethod(_batch_not_handed_over)
-    resource.setrlimit(resource.RLIMIT_CORE, (0, resource.getrlimit(resource.RLIMIT_CORE)[1]))
-    signal.signal(signal.SIGBUS, signal.SIG_DFL)  # (not faulthandler's traceback, where it is on)
+    signal.signal(signal.SIGBUS, signal.SIG_DFL)
     # Blocked in this thread before the next starts: every thread of the worker then blocks them, and the signals
     # wait for sigwaitinfo, which tells who sent each.
     signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
@@ -204,19 +204,22 @@ def _batch_not_handed_over(error, batch):
     """In a DataLoader worker, where a batch put on its queue fails: its tensors are moved into shared memory by
     the queue's feeder thread, and with /dev/shm full that raises there (torch's "unable to allocate shared memory").
     multiprocessing's own hook prints a traceback and drops the batch, and the parent waits for it forever (seen:
-    predict.py with a 1 MB /dev/shm). The worker ends instead as a full /dev/shm ends one that writes into it, by
-    SIGBUS: torch's parent then raises "DataLoader worker (pid N) is killed by signal: Bus error", which
-    recovery.data_worker_lost turns into one line. torch may notice the worker gone before it hears the signal, and
-    then says "exited unexpectedly", as for the out-of-memory killer: so the worker leaves a note for its parent
-    first (batch_not_handed_over)."""
-    with suppress(OSError, TypeError):  # (TypeError: no private folder; the line is then the general one)
-        os.close(os.open(batch_not_handed_over(os.getppid()), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+    predict.py with a 1 MB /dev/shm). The worker ends instead, by SIGBUS (as a full /dev/shm ends a worker that
+    writes into it), and torch's parent raises "DataLoader worker (pid N) is killed by signal: Bus error", or
+    "exited unexpectedly" where it notices the worker gone first: so the worker first leaves a note with the error's
+    first line for its parent (batch_not_handed_over), which recovery.data_worker_lost reads. Not dumpable first
+    (prctl): a core file of a deliberate end would help no one."""
+    with suppress(OSError, TypeError):  # (TypeError: no private folder; the parent's line is then the general one)
+        paths.write_atomically(batch_not_handed_over(os.getppid()),  # whole: another worker may write it too
+                               first_line(error).encode(errors="backslashreplace"), durable=False)
+    with suppress(OSError, AttributeError):  # (not Linux: no prctl)
+        ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE (linux/prctl.h), 0
     os.kill(os.getpid(), signal.SIGBUS)
 
 
 def batch_not_handed_over(parent):
-    """The note a DataLoader worker of the process parent leaves where a batch could not be handed over: in this
-    user's own folder in TMPDIR (/dev/shm is full)."""
+    """The note a DataLoader worker of the process parent leaves where it could not hand over a batch, holding the
+    error's first line: in this user's own folder in TMPDIR."""
     return os.path.join(paths.private_folder(), f"batch-not-handed-over-{parent}")
 
 

@@ -236,7 +236,8 @@ def main_fails(argv, capsys, code=1):
     return one_error_line(capsys)
 
 
-def no_shared_memory_in_workers(monkeypatch):
+def no_shared_memory_in_workers(monkeypatch, words="unable to allocate shared memory(shm) for file </torch_4242_0_1>: "
+                                                  "No space left on device (28)"):
     """torch's storages refuse to move into shared memory in a DataLoader worker, with torch's words for a full
     /dev/shm: as a batch's tensors meet it in the queue's feeder thread (seen with a 1 MB /dev/shm, a mount namespace's
     own: that hung predict.py)."""
@@ -245,8 +246,7 @@ def no_shared_memory_in_workers(monkeypatch):
 
     def refused(self, *args, **kwargs):
         if torch.utils.data.get_worker_info() is not None:
-            raise RuntimeError("unable to allocate shared memory(shm) for file </torch_4242_0_1>: No space left on "
-                               "device (28)")
+            raise RuntimeError(words)
         return real(self, *args, **kwargs)
     monkeypatch.setattr(torch.UntypedStorage, "_share_fd_cpu_", refused)
     # The parent notices a worker gone after a wait for its queue of MP_STATUS_CHECK_INTERVAL (5 s), bound as a

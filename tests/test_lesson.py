@@ -22,12 +22,12 @@ from harness import preflight
 CONTRACT = os.path.join(ROOT, "tests", "contract")  # dataset.py and models.py written from main.py's docstring alone
 
 
-def test_without_its_harness_main_py_trains_evaluates_saves_and_resumes(tiny_data, tmp_path, capsys):
-    """The lesson lifted into a folder of its own beside models.py, dataset.py and images.py: it imports nothing else of
-    the project, and with the project's own data set and model it trains, evaluates, saves, and resumes at the next
-    epoch from its checkpoint. In this process, imported from that folder: the launches the tutorial teaches (torchrun
-    on two processes, a plain python main.py) are the next test's, on the lesson and the contract's data set and
-    model."""
+def test_without_its_harness_main_py_trains_evaluates_saves_and_resumes(tiny_data, tmp_path, monkeypatch, capsys):
+    """The lesson lifted into a folder of its own beside copies of models.py, dataset.py and images.py: it imports
+    nothing else of the project, and with the project's own data set and model it trains, evaluates, saves, and
+    resumes at the next epoch from its checkpoint. In this process, imported from that folder with the copies: the
+    launches the tutorial teaches (torchrun on two processes, a plain python main.py) are the next test's, on the
+    lesson and the contract's data set and model."""
     with open(os.path.join(ROOT, "main.py")) as f:
         stripped, taken = lesson.strip(f.read())
     # Taking the harness out took no statement of the lesson with it (no lesson line needs a value of the harness).
@@ -40,9 +40,18 @@ def test_without_its_harness_main_py_trains_evaluates_saves_and_resumes(tiny_dat
     assert "harness" not in stripped.lower()  # no word of it left: every comment is about what remains
     folder = _lesson_in(tmp_path / "lesson", *(os.path.join(ROOT, name) for name in ("models.py", "dataset.py",
                                                                                      "images.py")))
+    # Its imports found in its folder alone: the project's own modules out of sys.modules (put back after the test),
+    # and nothing of the project's folder loaded meanwhile.
+    for name in ("models", "dataset", "images"):
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.syspath_prepend(str(folder))
+    before = set(sys.modules)
     spec = importlib.util.spec_from_file_location("lifted_lesson", folder / "main.py")
     lifted = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(lifted)  # (its models and dataset: the project's, the same files as the copies)
+    spec.loader.exec_module(lifted)
+    loaded = {name: getattr(sys.modules[name], "__file__", None) or "" for name in set(sys.modules) - before}
+    assert {name for name, path in loaded.items() if path.startswith(ROOT + os.sep)} == set(), loaded
+    assert loaded["dataset"].startswith(str(folder)) and loaded["models"].startswith(str(folder)), loaded
     out = str(tmp_path / "out")
     lesson_args = ["--data", tiny_data, "--output-dir", out, *TRAIN_ARGS]
     lifted.main(lifted.get_args_parser().parse_args([*lesson_args, "--epochs", "1"]))

@@ -1612,11 +1612,11 @@ def test_a_checkpoint_carrying_code_or_objects_is_named_so_not_called_truncated(
     assert not os.path.exists(ran)
 
 
-def test_no_write_follows_a_link_left_where_the_run_writes(tiny_data, trained, tmp_path, capsys):
+def test_no_write_follows_a_link_left_where_the_run_writes(tiny_data, trained, tmp_path, monkeypatch, capsys):
     """A shared run folder, or a restored backup, may hold symbolic links at the names a run writes. The lock record
-    and metrics.jsonl, which the run writes into, are named before any step; the files it replaces (the checkpoint's
-    temporary file, under the name main.py once used, and an epoch's picture) are made anew, not written through.
-    The file the links lead to stays as it was."""
+    and metrics.jsonl, which the run writes into, are named before any step; the files it replaces (an epoch's picture,
+    the checkpoint's temporary file) are made anew or refused, never written through. The file the links lead to stays
+    as it was."""
     out = tmp_path / "out"
     shutil.copytree(trained, out)
     notes = tmp_path / "notes.txt"
@@ -1634,8 +1634,7 @@ def test_no_write_follows_a_link_left_where_the_run_writes(tiny_data, trained, t
         os.remove(link)
         if (tmp_path / "kept").exists():
             os.rename(tmp_path / "kept", link)
-    for name in ("checkpoint.pth.tmp", "vis/epoch_001.png"):
-        os.symlink(notes, out / name)
+    os.symlink(notes, out / "vis" / "epoch_001.png")
     main.main(main.get_args_parser().parse_args(common))
     assert "done: best mIoU" in capsys.readouterr().out
     assert notes.read_text() == "a user's own notes"
@@ -1643,6 +1642,14 @@ def test_no_write_follows_a_link_left_where_the_run_writes(tiny_data, trained, t
     picture = out / "vis" / "epoch_001.png"
     assert not os.path.islink(picture) and Image.open(picture).format == "PNG"
     assert checkpoints.read("--resume", str(out / "checkpoint.pth"))["epoch"] == 2
+    # main.py's own save, at the temporary name it will use (its clock held still): refused, not written through.
+    path = str(out / "checkpoint.pth")
+    monkeypatch.setattr(main.time, "time_ns", lambda: 42)
+    os.symlink(notes, f"{path}.{os.getpid()}-42.tmp")
+    with pytest.raises(FileExistsError):
+        main.save_checkpoint.__wrapped__({"epoch": 3}, path)  # (the lesson's function, without the harness's wrapper)
+    assert notes.read_text() == "a user's own notes"
+    assert checkpoints.read("--resume", path)["epoch"] == 2
 
 
 def test_saves_work_where_the_filesystem_makes_no_hard_links_and_a_name_it_refuses_is_named(tiny_data, trained,
@@ -1680,8 +1687,12 @@ def test_saves_work_where_the_filesystem_makes_no_hard_links_and_a_name_it_refus
     named = tmp_path / "run:1"
     line = main_fails(["--data", tiny_data, "--output-dir", str(named), *TRAIN_ARGS], capsys)
     assert line == (f"main.py: error: --output-dir {named} cannot be made (Invalid argument): its filesystem refuses "
-                    "the name run:1 (FAT, exFAT and SMB allow none of \\ : * ? \" < > | in a name, nor a trailing dot "
-                    "or space): choose another name, or choose another folder"), line
+                    "the name run:1 (FAT, exFAT and SMB allow none of \\ : * ? \" < > | in a name): choose another "
+                    "name, or choose another folder"), line
+    # A ':' in a folder this user may not write, on a filesystem that takes it: a permission, as it is.
+    monkeypatch.setattr(os, "access", lambda *args, **kwargs: False)  # (root may write anywhere: this user may not)
+    advice = paths.what_to_do(OSError(errno.EACCES, "Permission denied", str(named)), str(named))
+    assert advice == f"give this user write permission to {tmp_path} and the files in it (ls -l {tmp_path})", advice
 
 
 def test_a_checkpoint_changed_between_its_check_and_main_py_s_read_of_it_is_refused(tiny_data, trained, tmp_path,
@@ -1766,6 +1777,8 @@ def test_a_folder_whose_first_save_was_killed_is_started_again_by_the_same_comma
     out = tmp_path / "out"
     shutil.copytree(trained, out)
     (out / "checkpoint.pth").unlink()
+    with open(out / "metrics.jsonl", "a") as f:
+        f.write('{"epoch": 0, "itera')  # (a second write of epoch 0's line, cut short by the kill)
     command = ["--data", tiny_data, "--output-dir", str(out), *TRAIN_ARGS, "--epochs", "1", "--resume", "auto"]
     main.main(main.get_args_parser().parse_args(command))
     said = capsys.readouterr().out

@@ -851,9 +851,11 @@ def test_a_distributed_run_keeps_its_records_in_tmpdir_only_in_a_folder_of_this_
     for name, value in (("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "1")):
         monkeypatch.setenv(name, value)  # a launcher's: the run would form a process group
     line = main_fails(["--data", tiny_data, "--output-dir", str(tmp_path / "out"), *TRAIN_ARGS], capsys)
+    own = "mkdir -p ~/tmp && export TMPDIR=~/tmp, then run again"
+    advice = {"another user's folder": own, "a folder others may write in": f"chmod 700 {path}, or {own}",
+              "a symbolic link": f"remove it (rm {path}), or {own}"}[planted]
     assert line == (f"main.py: error: {path} {why}, where this program keeps this user's records of a run (heartbeats, "
-                    "a mistake for torchrun's restarts): set TMPDIR to a folder of your own (export TMPDIR=$HOME/tmp), "
-                    "or remove it"), line
+                    f"a mistake for torchrun's restarts): {advice}"), line
     assert os.listdir(elsewhere) == [] and not (tmp_path / "out").exists()
 
 

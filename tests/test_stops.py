@@ -310,7 +310,7 @@ def test_a_run_under_run_sh_takes_back_the_sigterm_its_torchrun_leaves_ignored(t
         job.RUN.env = job.Environment()  # (the next test's run reads its own)
 
 
-@pytest.mark.parametrize("how", ["killed", "shared memory", "a batch not handed over"])
+@pytest.mark.parametrize("how", ["killed", "shared memory", "a batch not handed over", "another cause"])
 def test_a_data_worker_that_dies_or_finds_no_shared_memory_ends_in_one_line(tiny_data, tmp_path, monkeypatch,
                                                                             capsys, how):
     """A DataLoader worker killed (SIGKILL: the out-of-memory killer's signal) or short of shared memory (a small
@@ -320,9 +320,11 @@ def test_a_data_worker_that_dies_or_finds_no_shared_memory_ends_in_one_line(tiny
     the queue (no_shared_memory_in_workers)."""
     if how == "a batch not handed over":
         no_shared_memory_in_workers(monkeypatch)
+    if how == "another cause":  # a batch that fails in the feeder thread for another reason: said as it is
+        no_shared_memory_in_workers(monkeypatch, "Too many open files (24)")
 
     def fail_in_a_worker(self, index):
-        if how == "a batch not handed over":
+        if how in ("a batch not handed over", "another cause"):
             return real(self, index)
         if torch.utils.data.get_worker_info() is not None:
             if how == "killed":
@@ -340,6 +342,10 @@ def test_a_data_worker_that_dies_or_finds_no_shared_memory_ends_in_one_line(tiny
     if how == "killed":
         assert "a data loading worker was killed or ended unexpectedly (DataLoader worker (pid" in line, line
         assert "most likely by the out-of-memory killer" in line, line
+    elif how == "another cause":
+        assert "a data loading worker could not hand over a batch (Too many open files (24)): give -j 0 to see " \
+               "where" in line, line
     else:
         assert "shared memory (/dev/shm" in line and "--shm-size=8g" in line, line
-    assert "give -j 1 or -j 0" in line and "run the same command with --resume auto" in line, line
+    assert ("give -j 1 or -j 0" in line or how == "another cause") and "run the same command with --resume auto" \
+        in line, line
