@@ -97,10 +97,26 @@ def _rgb(picture):
         values = np.clip(np.asarray(picture, dtype=np.int64), 0, 65535)
         grey = ((values * 255 + 32767) // 65535).astype(np.uint8)
         return np.repeat(grey[..., None], 3, axis=2)
-    if picture.mode == "F":
-        grey = np.clip(np.rint(np.asarray(picture)), 0, 255).astype(np.uint8)
+    if picture.mode == "F":  # floating-point pixels (a TIFF): 0-1 where every value lies there, else 0-255, clipped
+        values = np.nan_to_num(np.asarray(picture, dtype=np.float64))
+        if values.size and values.min() >= 0 and values.max() <= 1:
+            values = values * 255
+        grey = np.clip(np.rint(values), 0, 255).astype(np.uint8)
         return np.repeat(grey[..., None], 3, axis=2)
     return np.asarray(picture if picture.mode == "RGB" else picture.convert("RGB"))
+
+
+def float_pixels(path):
+    """Whether the image at path holds floating-point pixels (a TIFF of PIL's mode "F"), which read_image scales by
+    a rule of its own (_rgb): from its first bytes and its header."""
+    try:
+        with open(path, "rb") as f:
+            if f.read(4) not in (b"II*\x00", b"MM\x00*"):  # a TIFF's
+                return False
+        with Image.open(path) as picture:
+            return picture.mode == "F"
+    except Exception:  # unreadable: read_image says why
+        return False
 
 
 def seen_size(path):

@@ -40,7 +40,7 @@ from torch.utils.data import DataLoader, Dataset
 from harness import checkpoints, checks, inference, job, paths, records, recovery, stops
 from dataset import CLASS_NAMES, TRAINID_TO_ID
 from harness.errors import fail, first_line
-from images import read_image
+from images import float_pixels, read_image
 from main import default_workers, normalize  # the lesson's: normalize gives the input the model learned on
 
 EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".tif", ".tiff")
@@ -323,6 +323,10 @@ def main(args):
     # The label maps' folder: Cityscapes' labelIds or trainIds, or the class indices of another model's classes.
     label_folder = "labelIds" if args.format == "labelid" else "trainIds" if cityscapes else "labels"
     images = find_images(args.inputs, args.output_dir)
+    floats = [path for path, _ in images if float_pixels(path)]
+    if floats:  # no scale is standard for them: the one taken is said
+        job.log(f"note: {len(floats)} image(s) hold floating-point pixels (e.g. {floats[0]}): read as 0-1 where every "
+                "value lies there, else as 0-255 (clipped); 8-bit images are what the model was trained on")
     replaced = hold_and_check_outputs(args, images, label_folder)
     paths.make_folder("--output-dir", args.output_dir)
     if replaced:

@@ -183,3 +183,22 @@ def test_a_batch_a_worker_cannot_hand_over_ends_in_one_line_not_a_hang(checkpoin
     assert re.fullmatch(r"predict\.py: error: a data loading worker could not hand over a batch: shared memory "
                         r"\(/dev/shm, \d+ MiB free\) is most likely too small: give -j 1 or -j 0, or more shared "
                         r"memory \(Docker: --shm-size=8g\)\.", line), line
+
+
+def test_floating_point_pixels_are_scaled_by_a_rule_that_is_said(checkpoint, tmp_path, capsys):
+    """A float TIFF (PIL's mode F) has no standard scale: values in 0-1 were clipped to 0 and 1 of 0-255, and the model
+    predicted a black picture without a word. Now 0-1 is scaled to 0-255 (else 0-255, clipped), and predict.py says
+    so for each such input."""
+    from images import read_image
+    inputs = tmp_path / "floats"
+    inputs.mkdir()
+    values = np.linspace(0, 1, 64 * 32, dtype=np.float32).reshape(32, 64)
+    Image.fromarray(values, mode="F").save(inputs / "unit.tif")
+    Image.fromarray(values * 255, mode="F").save(inputs / "bytes.tif")
+    expected = np.rint(values.astype(np.float64) * 255).astype(np.uint8)
+    for name in ("unit.tif", "bytes.tif"):
+        assert np.array_equal(read_image(str(inputs / name))[..., 0], expected), name
+    predict.main(predict.get_args_parser().parse_args(["--resume", checkpoint, str(inputs), "-j", "0", "--output-dir",
+                                                       str(tmp_path / "out")]))
+    assert (f"note: 2 image(s) hold floating-point pixels (e.g. {inputs / 'bytes.tif'}): read as 0-1 where every value "
+            "lies there, else as 0-255 (clipped)") in capsys.readouterr().out
