@@ -316,3 +316,16 @@ def test_run_sh_refuses_a_stop_status_that_is_no_exit_status(tmp_path):
     result = subprocess.run(["./run.sh"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert result.returncode == 1, result.stdout + result.stderr
     assert (result.stdout + result.stderr).strip() == "run.sh: error: STOP_STATUS=256: an exit status is at most 255"
+
+
+@pytest.mark.launch
+def test_run_sh_started_from_a_deleted_folder_says_so(tmp_path):
+    """torch's import dies in oneMKL's "Cannot load libtorch_cpu.so" in a process whose folder was deleted, before any
+    line of main.py runs: run.sh says what happened first. (bash alone: nothing of Python starts.)"""
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    result = subprocess.run(["bash", "-c", f"cd {gone} && rmdir {gone} && bash {ROOT}/run.sh"], capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 1 and result.stderr.strip().splitlines()[-1] == (
+        "run.sh: error: the folder you are in was deleted (or cannot be read): cd to a folder that exists, then run "
+        "again"), result
