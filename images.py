@@ -17,7 +17,7 @@ import secrets
 import struct
 
 import numpy as np
-from PIL import Image, ImageOps
+from PIL import Image, ImageOps, TiffImagePlugin
 
 # The largest image this program reads: 2**28 pixels (16384 x 16384), 768 MiB as 8-bit RGB. PIL's own limit guards
 # a server against hostile uploads (a warning of two lines past 89 million pixels, an error past twice that); here
@@ -97,7 +97,7 @@ def _rgb(picture):
         values = np.clip(np.asarray(picture, dtype=np.int64), 0, 65535)
         grey = ((values * 255 + 32767) // 65535).astype(np.uint8)
         return np.repeat(grey[..., None], 3, axis=2)
-    if picture.mode == "F":  # floating-point pixels (a TIFF): 0-1 where every value lies there, else 0-255, clipped
+    if picture.mode == "F":  # floating-point pixels (a TIFF): values all within 0-1 scaled by 255, else clipped
         values = np.nan_to_num(np.asarray(picture, dtype=np.float64))
         if values.size and values.min() >= 0 and values.max() <= 1:
             values = values * 255
@@ -111,7 +111,7 @@ def float_pixels(path):
     a rule of its own (_rgb): from its first bytes and its header."""
     try:
         with open(path, "rb") as f:
-            if f.read(4) not in (b"II*\x00", b"MM\x00*"):  # a TIFF's
+            if f.read(4) not in TiffImagePlugin.PREFIXES:  # a TIFF's first bytes, as PIL knows them
                 return False
         with Image.open(path) as picture:
             return picture.mode == "F"
@@ -142,10 +142,11 @@ def check_label_bytes(path, header=None):
     try:  # what the bytes hold, as PIL names it: the file is refused either way
         with Image.open(path) as f:
             held = f.format
-    except Exception:  # not an image PIL knows (an HTML page: a download that failed), or nothing at all
-        size = os.path.getsize(path)
-        what = f"{size} bytes of something else" if size else "nothing (0 bytes)"
-        raise BadInput(f"{path} is not an image (it holds {what}): copy or download it again") from None
+    except Exception:  # not an image PIL reads (an HTML page: a download that failed), or nothing at all
+        if not header:
+            raise BadInput(f"{path} is empty (0 bytes): copy or download it again") from None
+        raise BadInput(f"{path} is no image PIL reads (it begins {header[:8]!r}): export the label again as a PNG, or "
+                       "copy or download it again") from None
     why = ("JPEG's compression changes class indices; converting this file keeps the changed ones" if held == "JPEG"
            else "labels are read as PNGs")
     raise BadInput(f"{path} holds {held} bytes, not a PNG's, whatever its name says: export the label again as a PNG "

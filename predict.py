@@ -325,8 +325,8 @@ def main(args):
     images = find_images(args.inputs, args.output_dir)
     floats = [path for path, _ in images if float_pixels(path)]
     if floats:  # no scale is standard for them: the one taken is said
-        job.log(f"note: {len(floats)} image(s) hold floating-point pixels (e.g. {floats[0]}): read as 0-1 where every "
-                "value lies there, else as 0-255 (clipped); 8-bit images are what the model was trained on")
+        job.log(f"note: {len(floats)} image(s) hold floating-point pixels (e.g. {floats[0]}): values all within 0-1 "
+                "are scaled by 255, others clipped to 0-255")
     replaced = hold_and_check_outputs(args, images, label_folder)
     paths.make_folder("--output-dir", args.output_dir)
     if replaced:

@@ -19,7 +19,7 @@ fail() { echo "run.sh: error: $*" >&2; exit 1; }
 # Started from a folder that was deleted (removed, or replaced by a checkout), torch's import dies in oneMKL's "Cannot
 # load libtorch_cpu.so", before any line of the program runs; and relative paths would lead nowhere.
 pwd -P >/dev/null 2>&1 \
-  || fail "the folder you are in was deleted (or cannot be read): cd to a folder that exists, then run again"
+  || fail "the folder you are in was deleted: cd to a folder that exists, then run again"
 case " $* " in *" -h "* | *" --help "*)  # what run.sh does, then main.py's options
   sed -n '2,/^set -euo/p' "$0" | sed -e '$d' -e 's/^# \{0,1\}//'
   echo "Arguments after ./run.sh go to main.py: python $ROOT/main.py --help lists them (run.sh passes -b and"

@@ -143,15 +143,23 @@ def read(flag, path):
 
 
 def _identity(path):
-    """What tells a file from any other, or from itself rewritten: its device, inode, size and last write. Read from
-    the file opened (fstat): a network filesystem checks an open file's attributes with its server, where a stat of
-    the name may answer from its cache. (Not ctime: a rewind's second name for the file changes it.)"""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # (O_NONBLOCK: a named pipe would wait for a writer)
+    """What tells a file from any other, or from itself rewritten: its device, inode, size, last write, its count of
+    names and last change (ctime, which no one can set back: a copy over it that keeps its size and times changes
+    it). Read from the file opened: the open makes a network filesystem check its attributes with the server
+    (NFS's close-to-open), where a stat of the name may answer from its cache. O_NONBLOCK: a named pipe would wait
+    for a writer."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     try:
         info = os.fstat(fd)
     finally:
         os.close(fd)
-    return info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns
+    return info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, info.st_nlink, info.st_ctime_ns
+
+
+def _unchanged(before, now):
+    """Whether two _identity()s are of one file, unchanged. A new name for it or one taken away (a rewind's second
+    name, made by rank 0 while another rank reads) changes its count of names and its ctime alone: unchanged."""
+    return before[:4] == now[:4] and (before[4] != now[4] or before[5] == now[5])
 
 
 def _pickle_is_whole(path):
@@ -494,7 +502,7 @@ def checked(checkpoint, args, train_set):
         now = _identity(path)
     except OSError:
         now = None  # gone since
-    if checked_as is not None and now != checked_as:
+    if checked_as is not None and (now is None or not _unchanged(checked_as, now)):
         fail(f"--resume {path} changed after this run checked it (replaced, or written to, as the run started): run "
              "again once nothing writes it")
     if args.model not in MODEL_NAMES or args.output_stride not in (8, 16):  # its args hold None (read() refused others)

@@ -331,7 +331,8 @@ def what_to_do(error, path):
         thing = _in_the_way(error, path)
         return f"{thing} is {kind(thing) or 'there'}, in the way of the run's own: move it away"
     # A name FAT, exFAT or SMB refuse: vfat says EINVAL; some FUSE mounts EPERM, in a folder this user may write.
-    refused = next((name for name in names if _name_refused(name)), None)
+    # Only a name the failed call made (its own, not path) and that is not there (one there, the filesystem took).
+    refused = next((name for name in names[:-1] if _name_refused(name) and not os.path.lexists(name)), None)
     if number == errno.EINVAL and refused:
         return _refused_name(refused)
     if number == errno.ENAMETOOLONG:
@@ -464,9 +465,13 @@ def check_private_folder():
     if not why:
         return
     own = "mkdir -p ~/tmp && export TMPDIR=~/tmp, then run again"
+    try:
+        mine = os.lstat(path).st_uid == os.getuid()
+    except OSError:  # gone meanwhile
+        mine = False
     if why.startswith("may be written"):  # this user's own folder
         advice = f"chmod 700 {path}, or {own}"
-    elif os.lstat(path).st_uid == os.getuid():  # this user's own link or file
+    elif mine:  # this user's own link or file
         advice = f"remove it (rm {path}), or {own}"
     else:
         advice = own  # another user's: not this user's to remove (/tmp's sticky bit)
@@ -533,8 +538,9 @@ def _first_epoch_only(folder, found):
     try:
         with open(os.path.join(folder, "metrics.jsonl"), "rb") as f:
             lines = f.read().split(b"\n")
-        # (the last line, unended: a write the stop cut short, as rewrite_run_files_at drops it too)
-        records = [json.loads(line) for line in lines[:-1] if line.strip()]
+        if lines[-1].startswith(b'{"epoch": '):
+            lines.pop()  # a record the stop cut short (unended), which rewrite_run_files_at drops too
+        records = [json.loads(line) for line in lines if line.strip()]
     except FileNotFoundError:
         records = []
     except (OSError, ValueError):

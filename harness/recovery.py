@@ -208,8 +208,11 @@ def data_worker_lost(error):
             with open(note, errors="replace") as f:
                 noted = f.read()
         os.remove(note)
-    if noted is not None and "shared memory" not in noted and "No space left" not in noted:
-        return f"a data loading worker could not hand over a batch ({noted}): give -j 0 to see where.{last}"
+    if noted is not None and "Too many open files" in noted:  # the file descriptors torch shares tensors through
+        return (f"a data loading worker could not hand over a batch ({noted}): raise this shell's open-files limit "
+                f"(ulimit -n 65536), or give -j 0 (no hand-over then).{last}")
+    if noted is not None and "unable to allocate shared memory" not in noted and "No space left" not in noted:
+        return f"a data loading worker could not hand over a batch ({noted}): give -j 0 (no hand-over then).{last}"
     if "unable to allocate shared memory" in text or "Bus error" in text or noted is not None:
         try:
             shm = os.statvfs("/dev/shm")

@@ -245,8 +245,8 @@ def test_a_labelids_png_that_holds_other_bytes_is_refused_at_start_in_one_line(t
         if how == "JPEG":  # what the check prevents: PIL opens it by its content, with class indices changed
             with Image.open(path) as f:
                 assert f.format == "JPEG" and not np.array_equal(np.array(f), label_ids)
-        line = f"{path} " + (NOT_PNG.format(held=held, why=why) if held else
-                             "is not an image (it holds 39 bytes of something else): copy or download it again")
+        line = f"{path} " + (NOT_PNG.format(held=held, why=why) if held else "is no image PIL reads (it begins "
+                             "b'<html><b'): export the label again as a PNG, or copy or download it again")
         with pytest.raises(BadInput) as refused:
             data.check_files(decode_labels=decode_labels)
         assert str(refused.value) == line

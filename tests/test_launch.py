@@ -327,5 +327,4 @@ def test_run_sh_started_from_a_deleted_folder_says_so(tmp_path):
     result = subprocess.run(["bash", "-c", f"cd {gone} && rmdir {gone} && bash {ROOT}/run.sh"], capture_output=True,
                             text=True, timeout=60)
     assert result.returncode == 1 and result.stderr.strip().splitlines()[-1] == (
-        "run.sh: error: the folder you are in was deleted (or cannot be read): cd to a folder that exists, then run "
-        "again"), result
+        "run.sh: error: the folder you are in was deleted: cd to a folder that exists, then run again"), result

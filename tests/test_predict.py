@@ -188,7 +188,7 @@ def test_a_batch_a_worker_cannot_hand_over_ends_in_one_line_not_a_hang(checkpoin
 def test_floating_point_pixels_are_scaled_by_a_rule_that_is_said(checkpoint, tmp_path, capsys):
     """A float TIFF (PIL's mode F) has no standard scale: values in 0-1 were clipped to 0 and 1 of 0-255, and the model
     predicted a black picture without a word. Now 0-1 is scaled to 0-255 (else 0-255, clipped), and predict.py says
-    so for each such input."""
+    so once, with their count."""
     from images import read_image
     inputs = tmp_path / "floats"
     inputs.mkdir()
@@ -200,5 +200,5 @@ def test_floating_point_pixels_are_scaled_by_a_rule_that_is_said(checkpoint, tmp
         assert np.array_equal(read_image(str(inputs / name))[..., 0], expected), name
     predict.main(predict.get_args_parser().parse_args(["--resume", checkpoint, str(inputs), "-j", "0", "--output-dir",
                                                        str(tmp_path / "out")]))
-    assert (f"note: 2 image(s) hold floating-point pixels (e.g. {inputs / 'bytes.tif'}): read as 0-1 where every value "
-            "lies there, else as 0-255 (clipped)") in capsys.readouterr().out
+    assert (f"note: 2 image(s) hold floating-point pixels (e.g. {inputs / 'bytes.tif'}): values all within 0-1 are "
+            "scaled by 255, others clipped to 0-255") in capsys.readouterr().out

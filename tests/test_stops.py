@@ -321,7 +321,8 @@ def test_a_data_worker_that_dies_or_finds_no_shared_memory_ends_in_one_line(tiny
     if how == "a batch not handed over":
         no_shared_memory_in_workers(monkeypatch)
     if how == "another cause":  # a batch that fails in the feeder thread for another reason: said as it is
-        no_shared_memory_in_workers(monkeypatch, "Too many open files (24)")
+        no_shared_memory_in_workers(monkeypatch, "unable to open shared memory object </torch_4242_0> in read-write "
+                                                 "mode: Too many open files (24)")  # (torch's words)
 
     def fail_in_a_worker(self, index):
         if how in ("a batch not handed over", "another cause"):
@@ -343,8 +344,9 @@ def test_a_data_worker_that_dies_or_finds_no_shared_memory_ends_in_one_line(tiny
         assert "a data loading worker was killed or ended unexpectedly (DataLoader worker (pid" in line, line
         assert "most likely by the out-of-memory killer" in line, line
     elif how == "another cause":
-        assert "a data loading worker could not hand over a batch (Too many open files (24)): give -j 0 to see " \
-               "where" in line, line
+        assert ("a data loading worker could not hand over a batch (unable to open shared memory object "
+                "</torch_4242_0> in read-write mode: Too many open files (24)): raise this shell's open-files limit "
+                "(ulimit -n 65536), or give -j 0 (no hand-over then).") in line, line
     else:
         assert "shared memory (/dev/shm" in line and "--shm-size=8g" in line, line
     assert ("give -j 1 or -j 0" in line or how == "another cause") and "run the same command with --resume auto" \
