@@ -539,7 +539,7 @@ def _first_epoch_only(folder, found):
         with open(os.path.join(folder, "metrics.jsonl"), "rb") as f:
             lines = f.read().split(b"\n")
         if lines[-1].startswith(b'{"epoch": '):
-            lines.pop()  # a record the stop cut short (unended), which rewrite_run_files_at drops too
+            lines.pop()  # an unended last line that begins a record: a write the stop cut short
         records = [json.loads(line) for line in lines if line.strip()]
     except FileNotFoundError:
         records = []

@@ -209,10 +209,17 @@ def data_worker_lost(error):
                 noted = f.read()
         os.remove(note)
     if noted is not None and "Too many open files" in noted:  # the file descriptors torch shares tensors through
-        return (f"a data loading worker could not hand over a batch ({noted}): raise this shell's open-files limit "
-                f"(ulimit -n 65536), or give -j 0 (no hand-over then).{last}")
+        import resource  # (Linux and macOS, where DataLoader workers share tensors through file descriptors)
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        most = "unlimited" if hard == resource.RLIM_INFINITY else hard
+        if soft == hard:
+            limit = f"this shell's open-files limit is at its most ({most}): ask for a higher one"
+        else:
+            limit = f"raise this shell's open-files limit to its most (now {soft}): ulimit -Sn {most}"
+        return (f"a data loading worker could not hand over a batch ({noted}): {limit}, or give -j 0 (no "
+                f"hand-over).{last}")
     if noted is not None and "unable to allocate shared memory" not in noted and "No space left" not in noted:
-        return f"a data loading worker could not hand over a batch ({noted}): give -j 0 (no hand-over then).{last}"
+        return f"a data loading worker could not hand over a batch ({noted}): give -j 0 (no hand-over).{last}"
     if "unable to allocate shared memory" in text or "Bus error" in text or noted is not None:
         try:
             shm = os.statvfs("/dev/shm")

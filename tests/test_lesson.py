@@ -26,9 +26,9 @@ def test_without_its_harness_main_py_trains_evaluates_saves_and_resumes(tiny_dat
     """The lesson lifted into a folder of its own beside copies of models.py, dataset.py and images.py: it imports
     nothing else of the project, and with the project's own data set and model it trains, evaluates, saves, and
     resumes at the next epoch from its checkpoint. In this process, imported from that folder with the copies (the
-    static check above covers main and harness, which this process has loaded already): the launch the tutorial
-    teaches, torchrun on two processes, is test_the_lesson_on_a_data_set_and_a_model_written_from_its_contract_alone's,
-    with -e as one plain python main.py."""
+    static check of its imports, first in this test, covers main and harness, which this process has loaded). The
+    launch the tutorial teaches, torchrun on two processes, is the contract test's (below), with -e as one plain
+    python main.py."""
     with open(os.path.join(ROOT, "main.py")) as f:
         stripped, taken = lesson.strip(f.read())
     # Taking the harness out took no statement of the lesson with it (no lesson line needs a value of the harness).

@@ -310,7 +310,8 @@ def test_a_run_under_run_sh_takes_back_the_sigterm_its_torchrun_leaves_ignored(t
         job.RUN.env = job.Environment()  # (the next test's run reads its own)
 
 
-@pytest.mark.parametrize("how", ["killed", "shared memory", "a batch not handed over", "another cause"])
+@pytest.mark.parametrize("how", ["killed", "shared memory", "a batch not handed over", "too many open files",
+                                 "another cause"])
 def test_a_data_worker_that_dies_or_finds_no_shared_memory_ends_in_one_line(tiny_data, tmp_path, monkeypatch,
                                                                             capsys, how):
     """A DataLoader worker killed (SIGKILL: the out-of-memory killer's signal) or short of shared memory (a small
@@ -320,12 +321,15 @@ def test_a_data_worker_that_dies_or_finds_no_shared_memory_ends_in_one_line(tiny
     the queue (no_shared_memory_in_workers)."""
     if how == "a batch not handed over":
         no_shared_memory_in_workers(monkeypatch)
-    if how == "another cause":  # a batch that fails in the feeder thread for another reason: said as it is
+    if how == "too many open files":  # a batch that fails in the feeder thread for another reason: said as it is
         no_shared_memory_in_workers(monkeypatch, "unable to open shared memory object </torch_4242_0> in read-write "
                                                  "mode: Too many open files (24)")  # (torch's words)
+    if how == "another cause":
+        no_shared_memory_in_workers(monkeypatch, "unable to open shared memory object </torch_4242_0> in read-write "
+                                                 "mode: Permission denied (13)")
 
     def fail_in_a_worker(self, index):
-        if how in ("a batch not handed over", "another cause"):
+        if how in ("a batch not handed over", "too many open files", "another cause"):
             return real(self, index)
         if torch.utils.data.get_worker_info() is not None:
             if how == "killed":
@@ -343,11 +347,19 @@ def test_a_data_worker_that_dies_or_finds_no_shared_memory_ends_in_one_line(tiny
     if how == "killed":
         assert "a data loading worker was killed or ended unexpectedly (DataLoader worker (pid" in line, line
         assert "most likely by the out-of-memory killer" in line, line
+    elif how == "too many open files":
+        import resource
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        most = "unlimited" if hard == resource.RLIM_INFINITY else hard
+        limit = (f"this shell's open-files limit is at its most ({most}): ask for a higher one" if soft == hard else
+                 f"raise this shell's open-files limit to its most (now {soft}): ulimit -Sn {most}")
+        assert ("a data loading worker could not hand over a batch (unable to open shared memory object "
+                f"</torch_4242_0> in read-write mode: Too many open files (24)): {limit}, or give -j 0 (no "
+                "hand-over).") in line, line
     elif how == "another cause":
         assert ("a data loading worker could not hand over a batch (unable to open shared memory object "
-                "</torch_4242_0> in read-write mode: Too many open files (24)): raise this shell's open-files limit "
-                "(ulimit -n 65536), or give -j 0 (no hand-over then).") in line, line
+                "</torch_4242_0> in read-write mode: Permission denied (13)): give -j 0 (no hand-over).") in line, line
     else:
         assert "shared memory (/dev/shm" in line and "--shm-size=8g" in line, line
-    assert ("give -j 1 or -j 0" in line or how == "another cause") and "run the same command with --resume auto" \
-        in line, line
+    assert ("give -j 1 or -j 0" in line or how in ("too many open files", "another cause")) \
+        and "run the same command with --resume auto" in line, line
