@@ -687,14 +687,21 @@ def _lock(fd, path, folder, args):
             time.sleep(2)
 
 
+def process_stat(pid):
+    """The fields of /proc/PID/stat after the process's name (the 3rd field first: its state), or None where /proc
+    cannot say (no such process, not Linux). The name, in parentheses, may hold spaces and parentheses itself."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
 def _started(pid):
     """When the process pid started, in clock ticks since the machine booted (/proc/PID/stat's 22nd field): with the
     host and the process id, what tells a live holder from a process id used again. None where /proc cannot say."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[19])
-    except (OSError, IndexError, ValueError):
-        return None
+    fields = process_stat(pid)
+    return int(fields[19]) if fields and len(fields) > 19 and fields[19].isdigit() else None
 
 
 def hold_output(args):

@@ -548,10 +548,8 @@ def _read_beats(group):
 def _process_state(pid):
     """What a peer's process is: "gone" (no such process, or one that has ended and waits for its parent to reap
     it), "stopped" (SIGSTOP, a debugger), or "running"."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
+    fields = paths.process_stat(pid)
+    if not fields:
         try:
             os.kill(pid, 0)  # (no /proc: a process that is there answers)
         except ProcessLookupError:
@@ -559,6 +557,7 @@ def _process_state(pid):
         except OSError:
             pass
         return "running"
+    state = fields[0]
     return "gone" if state in ("Z", "X") else "stopped" if state in ("T", "t") else "running"
 
 
