@@ -716,11 +716,15 @@ def test_torch_save_writes_a_crc_32_for_each_record_and_one_attribute_bit_escape
     assert not torch.load(path, weights_only=True)["w"].any()
 
 
-def test_a_dataloader_worker_ends_quietly_on_its_parents_sigterm_and_dies_of_anyone_elses():
+def test_a_dataloader_worker_ends_quietly_on_its_parents_sigterm_and_dies_of_anyone_elses(monkeypatch):
     """torch's own handler in each worker: SIGTERM from the parent -> exit 0; from another process (a scheduler
-    signalling the whole job) -> killed by the signal, which the parent then raises mid-iteration (harness/stops.py)."""
+    signalling the whole job) -> killed by the signal, which the parent then raises mid-iteration (harness/stops.py):
+    from its SIGCHLD handler, or where that ran before the worker had died, after its next wait for a batch of
+    MP_STATUS_CHECK_INTERVAL (5 s, bound as a default argument: half a second here, the same path)."""
     import signal
     import time
+    from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
+    monkeypatch.setattr(_MultiProcessingDataLoaderIter._try_get_data, "__defaults__", (0.5,))
 
     class Slow(torch.utils.data.Dataset):
         def __len__(self):
@@ -745,6 +749,38 @@ def test_a_dataloader_worker_ends_quietly_on_its_parents_sigterm_and_dies_of_any
                     next(batches)
             assert worker.exitcode == -signal.SIGTERM
         del batches
+
+
+def test_a_dataloader_freed_by_a_garbage_collection_waits_for_each_worker_and_by_its_last_reference_does_not(
+        monkeypatch):
+    """A DataLoader with persistent workers, freed: by its last reference, its workers end at once; by a garbage
+    collection (a reference cycle: an error's traceback kept beside the frames it holds), each worker is waited for
+    MP_STATUS_CHECK_INTERVAL (5 s) and then killed. The collection runs the weakref callbacks of multiprocessing's
+    queues before the iterator's __del__: the feeder threads that would carry each worker its last message are closed
+    first. (harness/recovery.py clears a failed run's frames.) Half a second here instead of 5."""
+    import gc
+    import time
+    from torch.utils.data import _utils
+    assert _utils.MP_STATUS_CHECK_INTERVAL == 5.0
+    monkeypatch.setattr(_utils, "MP_STATUS_CHECK_INTERVAL", 0.5)
+
+    def freed(in_a_cycle):
+        """-> whether the worker was still alive once the last name of its DataLoader was gone, and the seconds a
+        garbage collection then took."""
+        loader = DataLoader(range(4), num_workers=1, persistent_workers=True, multiprocessing_context="fork")
+        next(iter(loader))
+        worker = loader._iterator._workers[0]
+        holder = {"loader": loader}
+        if in_a_cycle:
+            holder["itself"] = holder
+        del loader, holder
+        alive = worker.is_alive()
+        start = time.monotonic()
+        gc.collect()
+        return alive, time.monotonic() - start
+    assert freed(in_a_cycle=False)[0] is False  # ended as its last reference went
+    alive, seconds = freed(in_a_cycle=True)
+    assert alive and seconds >= 0.5  # alive until the collection, which waited for it
 
 
 def test_torch_compile_splits_a_ddp_models_graph_at_its_buckets_by_default(ddp_seen):
