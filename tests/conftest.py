@@ -2,6 +2,7 @@ import contextlib
 import errno
 import fcntl
 import hashlib
+import importlib
 import itertools
 import json
 import multiprocessing
@@ -23,7 +24,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests", "tools"))  # lesson.py, gpu_check.py: the tests read them too
 
-from synthetic import write_synthetic  # noqa: E402
 
 # Tiny everything: 64x32 images, models.py's tiny DeepLabV3+ (its checkpoints 4 MB), one thread per process.
 TRAIN_ARGS = ["--model", "deeplabv3plus_mobilenet_tiny", "--crop-size", "32", "-b", "2", "-j", "0",
@@ -32,6 +32,13 @@ TRAIN_ARGS = ["--model", "deeplabv3plus_mobilenet_tiny", "--crop-size", "32", "-
 
 # An interpreter's name: python, python3, python3.12 (and the old python3.7m).
 PYTHON_NAME = re.compile(r"python[0-9.]*m?")
+
+
+def write_synthetic(*args, **kwargs):
+    """synthetic.write_synthetic, imported at its first call: pytest's own process imports this file too, runs no
+    test under -n 2, and would spend 3 s importing torchvision (synthetic.py's) before it starts the workers."""
+    from synthetic import write_synthetic as write
+    return write(*args, **kwargs)
 
 
 def path_without_python(path, links):
@@ -73,11 +80,12 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    """The tests that launch programs first, the longest of the suite: two workers then end together, instead of one
-    finishing a launch of a minute while the other waits with nothing left (each worker takes the next test as it
-    ends one). In each group, the files' order. (A module fixture that serves tests of both groups is made once for
-    each: test_predict's checkpoint, a torch.save.)"""
-    items.sort(key=lambda item: item.get_closest_marker("launch") is None)
+    """The longest tests first: those that launch programs, and the few in this process that take 5 s or more
+    (marked long). Two workers then end together, instead of one finishing a minute's launch, or a wait of 10 s,
+    while the other has nothing left (each worker takes the next test as it ends one: pytest.ini). In each group,
+    the files' order. (A module fixture that serves tests of both groups is made once for each: test_predict's
+    checkpoint, a torch.save.)"""
+    items.sort(key=lambda item: item.get_closest_marker("launch") is None and item.get_closest_marker("long") is None)
 
 
 def pytest_unconfigure(config):
@@ -301,9 +309,10 @@ class ForkedRank(NamedTuple):
     output: str  # the file its stdout and stderr go to
 
 
-def _run_rank(argv, environment, output, own_group=False):
+def _run_rank(argv, environment, output, own_group=False, program="main"):
     """A forked rank's life: its own variables and files (and process group, own_group: as a shell starts a
-    command), main.main(argv), then os._exit with its status, at once:
+    command), main(argv) of the module program (main.py's, or a lesson this process imported: test_lesson), then
+    os._exit with its status, at once:
     the child is a copy of pytest, none of whose exit code may run there, and multiprocessing's own ending would
     wait for any non-daemon thread left running. (A fork that ended Python's normal way would also hang there:
     faulthandler's timer, which pytest.ini arms around each test, waits at exit for its timer thread to release a
@@ -320,8 +329,8 @@ def _run_rank(argv, environment, output, own_group=False):
         sys.stdout = sys.stderr = open(output, "w", buffering=1)
         os.dup2(sys.stdout.fileno(), 1)
         os.dup2(sys.stdout.fileno(), 2)
-        import main
-        main.main(main.get_args_parser().parse_args(argv))
+        module = importlib.import_module(program)
+        module.main(module.get_args_parser().parse_args(argv))
         code = 0
     except SystemExit as stop:  # as Python ends on it: None is 0, a number itself, anything else said and 1
         code = 0 if stop.code is None else stop.code if isinstance(stop.code, int) else 1
@@ -335,11 +344,12 @@ def _run_rank(argv, environment, output, own_group=False):
         os._exit(code)
 
 
-def fork_ranks(argv, outputs, world_size=2):
-    """world_size ranks of one job on this machine, each a forked copy of this process running main.main(argv)
-    with the variables a launcher gives its workers (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR,
-    MASTER_PORT; none of torchrun's TORCHELASTIC_ ones) and one thread each, as run() gives: the job, without the
-    seconds a fresh interpreter takes to import torch. Each rank's output goes to outputs/rank_N.log."""
+def fork_ranks(argv, outputs, world_size=2, program="main"):
+    """world_size ranks of one job on this machine, each a forked copy of this process running main(argv) of the
+    module program (_run_rank), with the variables a launcher gives its workers (RANK, WORLD_SIZE, LOCAL_RANK,
+    LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT; none of torchrun's TORCHELASTIC_ ones) and one thread each, as run()
+    gives: the job, without the seconds a fresh interpreter takes to import torch. Each rank's output goes to
+    outputs/rank_N.log."""
     os.makedirs(outputs, exist_ok=True)
     context = multiprocessing.get_context("fork")
     port = str(free_port())
@@ -350,7 +360,7 @@ def fork_ranks(argv, outputs, world_size=2):
                        "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
         output = os.path.join(outputs, f"rank_{rank}.log")
         open(output, "w").close()  # there before the rank starts: a test may read it at once
-        process = context.Process(target=_run_rank, args=(argv, environment, output))
+        process = context.Process(target=_run_rank, args=(argv, environment, output, False, program))
         process.start()
         ranks.append(ForkedRank(process, output))
     return ranks

@@ -1,11 +1,14 @@
 import json
 import math
 
+import pytest
+
 
 def _positive(value, most=math.inf):
     return isinstance(value, (int, float)) and 0 < value < most
 
 
+@pytest.mark.long
 def test_bench_quick_measures_every_figure_and_prints_it_beside_its_target(capsys):
     """bench.py --quick: tiny sizes on a shared machine, so its timings say nothing of the targets; what it must do
     is measure every figure (a number in a sane range, not zero, negative, NaN or infinite) and print each in its

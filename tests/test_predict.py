@@ -145,6 +145,7 @@ def test_a_full_disk_ends_in_one_line(checkpoint, tmp_path, monkeypatch, capsys)
                                   "on device; ") + r"\d+ MiB free there when it failed\): free space there", line), line
 
 
+@pytest.mark.long
 def test_onnx_export_computes_what_pytorch_computes(checkpoint, tmp_path, capsys):
     path = str(tmp_path / "model.onnx")
     predict.main(predict.get_args_parser().parse_args(["--resume", checkpoint, "--export", path]))

@@ -170,6 +170,7 @@ def test_preempted_mid_epoch_resumes_at_next_batch_and_matches(data24, straight,
         assert mine["train_loss"] == pytest.approx(reference["train_loss"], rel=1e-6)  # summed in two parts
 
 
+@pytest.mark.long
 def test_second_signal_exits_at_once(data24, tmp_path):
     """main.py's signal handlers in a process of its own (forked), which the second signal ends by its default
     action."""
@@ -282,6 +283,7 @@ def test_a_killed_rank_is_named_gone_by_the_rank_that_outlives_it(killed_twice):
     assert log.index(errors[0]) < log.index("restart 1 by torchrun") < log.index(errors[1]), log
 
 
+@pytest.mark.long
 def test_a_hung_peer_ends_the_job_naming_the_rank(data24, tmp_path):
     """Two ranks (forked: which launcher started them is not the point); rank 1 stopped mid-epoch, alive but
     answering nothing: rank 0 names it within --dist-timeout and ends."""
@@ -488,6 +490,7 @@ def test_a_bad_file_on_rank_1_is_named_by_rank_1_once_and_restarts_do_not_repeat
     assert time.time() - start < 150, output
 
 
+@pytest.mark.long
 def test_a_resumed_epoch_uses_the_persistent_workers_and_no_others(data24, straight, tmp_path):
     """A run resumed in the middle of an epoch trains with -j workers, not -j more, and evaluation's
     workers do not stay beside the training ones. A process of its own (forked): its children are its DataLoaders'
