@@ -16,7 +16,7 @@ import torch
 
 import lesson
 import main
-from conftest import ROOT, TRAIN_ARGS, run
+from conftest import ROOT, TRAIN_ARGS, finish_ranks, fork_ranks, run
 from harness import preflight
 
 CONTRACT = os.path.join(ROOT, "tests", "contract")  # dataset.py and models.py written from main.py's docstring alone
@@ -41,16 +41,8 @@ def test_without_its_harness_main_py_trains_evaluates_saves_and_resumes(tiny_dat
     assert "harness" not in stripped.lower()  # no word of it left: every comment is about what remains
     folder = _lesson_in(tmp_path / "lesson", *(os.path.join(ROOT, name) for name in ("models.py", "dataset.py",
                                                                                      "images.py")))
-    # Its imports found in its folder alone: the project's own modules out of sys.modules (put back after the test),
-    # and nothing of the project's folder loaded meanwhile.
-    for name in ("models", "dataset", "images"):
-        monkeypatch.delitem(sys.modules, name)
-    monkeypatch.syspath_prepend(str(folder))
-    before = set(sys.modules)
-    spec = importlib.util.spec_from_file_location("lifted_lesson", folder / "main.py")
-    lifted = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(lifted)
-    loaded = {name: getattr(sys.modules[name], "__file__", None) or "" for name in set(sys.modules) - before}
+    # Its imports found in its folder alone: nothing of the project's folder loaded meanwhile.
+    lifted, loaded = _import_lifted(folder, monkeypatch)
     assert {name for name, path in loaded.items() if path.startswith(ROOT + os.sep)} == set(), loaded
     assert loaded["dataset"].startswith(str(folder)) and loaded["models"].startswith(str(folder)), loaded
     out = str(tmp_path / "out")
@@ -113,6 +105,24 @@ def _lesson_in(folder, *modules):
     return folder
 
 
+def _import_lifted(folder, monkeypatch):
+    """The lesson in folder (_lesson_in) imported in this process as the module lifted_lesson, its imports found in
+    its folder first: the project's own modules of the names the folder holds out of sys.modules, and the lesson in,
+    as lifted_lesson (a rank forked from here imports it by that name); both as before after the test.
+    -> (the module, {name: file} of every module its import loaded)."""
+    for name in ("models", "dataset", "images"):
+        if (folder / f"{name}.py").exists():
+            monkeypatch.delitem(sys.modules, name)
+    monkeypatch.syspath_prepend(str(folder))
+    before = set(sys.modules)
+    spec = importlib.util.spec_from_file_location("lifted_lesson", folder / "main.py")
+    lifted = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(lifted)
+    loaded = {name: getattr(sys.modules[name], "__file__", None) or "" for name in set(sys.modules) - before}
+    monkeypatch.setitem(sys.modules, "lifted_lesson", lifted)
+    return lifted, loaded
+
+
 def _contract_module(name):
     """tests/contract's dataset.py or models.py, imported under a name of its own (the project's own are loaded)."""
     spec = importlib.util.spec_from_file_location(f"contract_{name}", os.path.join(CONTRACT, f"{name}.py"))
@@ -139,28 +149,33 @@ def _miou(model, val_set, num_classes, counted):
 
 
 @pytest.mark.launch
-def test_the_lesson_on_a_data_set_and_a_model_written_from_its_contract_alone(tmp_path):
+def test_the_lesson_on_a_data_set_and_a_model_written_from_its_contract_alone(tmp_path, monkeypatch, capsys):
     """The printed lesson beside tests/contract's dataset.py and models.py, written from main.py's docstring and
-    importing nothing of the project, under torchrun on two gloo processes with a persistent worker each (-j 1).
-    Trained 2 epochs straight; and 2 epochs again, crashed in the second (the data set fails there) and resumed from
-    the first's checkpoint (tests/contract's classes have nothing public beyond the contract): the weights and the
-    optimizer equal bit for bit, which needs what the contract says of the augmentation's draw, and of .epoch (with
-    a plain attribute, the persistent workers never see epoch 1: the crash does not come, checked first, and their
-    draw stays at epoch 0's). The mIoU printed is the one worked out here over each val image once (5 images on 2
-    ranks: counting one twice, as a padded sampler would, differs), and the one -e prints in one process, without the optional save_prediction. The model's name is not given:
-    MODEL_NAMES' first is the default."""
+    importing nothing of the project, on two gloo processes with a persistent worker each (-j 1). Trained 2 epochs
+    straight (two ranks forked from this process, which has imported it); and 2 epochs again under torchrun, crashed
+    in the second (the data set fails there) and resumed from the first's checkpoint, under torchrun again
+    (tests/contract's classes have nothing public beyond the contract): the weights and the optimizer equal bit for
+    bit, which needs what the contract says of the augmentation's draw, and of .epoch (with a plain attribute, the
+    persistent workers never see epoch 1: the crash does not come, checked first, and their draw stays at epoch 0's).
+    The mIoU printed is the one worked out here over each val image once (5 images on 2 ranks: counting one twice,
+    as a padded sampler would, differs), and the one -e prints in one plain process (this one), without the optional
+    save_prediction. The model's name is not given: MODEL_NAMES' first is the default."""
     folder = _lesson_in(tmp_path / "lesson", os.path.join(CONTRACT, "dataset.py"), os.path.join(CONTRACT, "models.py"))
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    common = ["main.py", "--data", "unused", "--pretrained-backbone", "none", "--crop-size", "32", "-b", "2", "-j", "1",
+    lifted, _ = _import_lifted(folder, monkeypatch)
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "main.py"]
+    common = ["--data", "unused", "--pretrained-backbone", "none", "--crop-size", "32", "-b", "2", "-j", "1",
               "--lr", "0.05", "--seed", "3"]
     straight, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
-    said = run([*torchrun, *common, "--epochs", "2", "--output-dir", straight], cwd=str(folder))
-    assert "2 process(es), backend gloo" in said and "training tiny_shapes on 24 images (6 steps/epoch)" in said, said
+    said = finish_ranks(fork_ranks([*common, "--epochs", "2", "--output-dir", straight], str(tmp_path / "logs"),
+                                   program="lifted_lesson"))[0]
     # The crash after epoch 1's first batch (-b 2): its step's all-reduce waits for rank 0, which saved epoch 0 first.
     crashed = subprocess.run([*torchrun, *common, "--epochs", "2", "--output-dir", resumed], cwd=str(folder),
                              env={**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "",
                                   "CONTRACT_CRASH": "1 2"}, capture_output=True, text=True, timeout=240)
     assert crashed.returncode != 0 and "the test's crash in epoch 1" in crashed.stdout + crashed.stderr, crashed
+    for output in (said, crashed.stdout):
+        assert "2 process(es), backend gloo" in output, output
+        assert "training tiny_shapes on 24 images (6 steps/epoch)" in output, output
     said_again = run([*torchrun, *common, "--epochs", "2", "--output-dir", resumed, "--resume",
                       os.path.join(resumed, "checkpoint.pth")], cwd=str(folder))
     assert "epochs 1..1" in said_again and "epoch 0 step" not in said_again, said_again
@@ -179,8 +194,11 @@ def test_the_lesson_on_a_data_set_and_a_model_written_from_its_contract_alone(tm
     assert abs(printed - exact) < 1e-4, (printed, exact)
     assert abs(_miou(model, val_set, 3, [0, 1, 2, 3, 4, 0]) - exact) > 3e-4  # the check tells a repeat apart
     # -e in one plain process, on a data set without the optional save_prediction: the same mIoU.
-    said = run([sys.executable, *common, "-e", "--resume", os.path.join(straight, "checkpoint.pth")], cwd=str(folder))
-    assert float(re.findall(r"mIoU (\S+)", said)[-1]) == printed, said
+    capsys.readouterr()
+    lifted.main(lifted.get_args_parser().parse_args([*common, "-e", "--resume", os.path.join(straight,
+                                                                                        "checkpoint.pth")]))
+    said = capsys.readouterr().out
+    assert "1 process(es)" in said and float(re.findall(r"mIoU (\S+)", said)[-1]) == printed, said
 
 
 def _tensors(state):
