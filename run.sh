@@ -228,8 +228,8 @@ unset PYTHON_EXEC
 LAUNCHER=$!
 if [ "$NNODES" -gt 1 ]; then
   # Waiting for the other nodes says so, once after a few seconds and then every minute: how many have joined
-  # the rendezvous at MASTER_ADDR:MASTER_PORT, and when torchrun gives up (recovery.watch_rendezvous).
-  PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -c 'import sys, harness.recovery; harness.recovery.watch_rendezvous(*sys.argv[1:])' \
+  # the rendezvous at MASTER_ADDR:MASTER_PORT, and when torchrun gives up (harness/rendezvous.py).
+  PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -c 'import sys, harness.rendezvous; harness.rendezvous.watch_rendezvous(*sys.argv[1:])' \
     "$MASTER_ADDR:$MASTER_PORT" "${RDZV_ID:-deeplab}" "$NNODES" "$JOIN_TIMEOUT" &
   WATCHER=$!
 fi

@@ -8,6 +8,7 @@ marked `harness`) that a learner can delete. main.py imports it in one statement
     stops        stopping together: signals, the ranks' vote each step, DataLoader workers that leave a stop
                  to their parent
     recovery     how a run ends: one-line errors, out of memory, a lost peer named; waits that say what they wait for
+    rendezvous   run.sh's wait for the other nodes, in a process of its own (torch.distributed alone)
     records      what rank 0 writes beside the checkpoint: metrics, best.pth, pictures, eval.json, TensorBoard
     inference    multi-scale, flip and sliding-window evaluation (main.py -e, predict.py)
     paths        every path a program writes, checked in one place; one run per output folder

@@ -785,7 +785,7 @@ def test_the_heartbeat_goes_through_torch_s_public_store_where_the_peers_read_it
 
 
 def test_the_rendezvous_state_run_sh_s_wait_reads_is_still_torch_s():
-    """recovery.watch_rendezvous (run.sh's wait for the other nodes) unpickles torch's private _RendezvousState from
+    """rendezvous.watch_rendezvous (run.sh's wait for the other nodes) unpickles torch's private _RendezvousState from
     the c10d rendezvous's store and reads its complete and participants: a torch that changes them fails here, by
     name, not as a wait that never counts a node."""
     from torch.distributed.elastic.rendezvous import dynamic_rendezvous
