@@ -1296,8 +1296,9 @@ def _another_version(trained, path, change):
 
 
 def _adam(state):
-    """An optimizer of another kind, in the two groups main.py makes: Adam's state after one step."""
-    model = main.build_model("deeplabv3plus_mobilenet_v3_large", 19, 16, "none")
+    """An optimizer of another kind, in the two groups main.py makes: Adam's state after one step, for the model the
+    checkpoint holds (its one misfit is then the optimizer's kind)."""
+    model = main.build_model(TRAIN_ARGS[1], 19, 16, "none")
     optimizer = torch.optim.Adam(main.make_optimizer(model, main.get_args_parser().parse_args([])).param_groups)
     main.criterion(model(torch.randn(2, 3, 32, 32)), torch.zeros(2, 32, 32, dtype=torch.long)).backward()
     optimizer.step()
