@@ -10,8 +10,8 @@ import sys
 import pytest
 import torch
 
-from conftest import (ROOT, SLOW_ARGS, TRAIN_ARGS, built_once, checkpoint_of, finish_ranks, fork_ranks, free_port,
-                      metrics, run, run_sh_workers_line)
+from conftest import (ROOT, SLOW_ARGS, TRAIN_ARGS, built_once, checkpoint_of, finish_ranks, fork_main, fork_ranks,
+                      free_port, metrics, run, run_sh_workers_line)
 import main
 from harness import job
 
@@ -26,20 +26,17 @@ def test_local_rank_from_either_flag_or_environment():
 
 
 
-def _manual_launch(argv):
-    """The pre-torchrun way: a process per rank, MASTER_ADDR/PORT, RANK, WORLD_SIZE, and --local_rank. -> what
-    rank 0 said (the others say nothing but their errors)."""
+def _manual_launch(argv, logs):
+    """The pre-torchrun way: a process per rank, MASTER_ADDR/PORT, RANK, WORLD_SIZE, and --local_rank; no
+    LOCAL_RANK. Each rank forked from this process: main.py's reading of them is the point (a fresh interpreter's
+    start is torch.distributed.launch's form). -> what rank 0 said (the others say nothing but their errors)."""
+    assert "LOCAL_RANK" not in os.environ  # (the forks inherit this process's variables)
+    os.makedirs(logs)
     port = str(free_port())
-    procs = []
-    for rank in range(2):
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": port, "RANK": str(rank), "WORLD_SIZE": "2"}
-        env.pop("LOCAL_RANK", None)
-        procs.append(subprocess.Popen([PY, "main.py", f"--local_rank={rank}", *argv], cwd=ROOT, env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    outputs = [p.communicate(timeout=240)[0] for p in procs]
-    assert all(p.returncode == 0 for p in procs), outputs
-    return outputs[0]
+    ranks = [fork_main([f"--local_rank={rank}", *argv], os.path.join(logs, f"rank_{rank}.log"),
+                       {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "RANK": str(rank), "WORLD_SIZE": "2"})
+             for rank in range(2)]
+    return finish_ranks(ranks)[0]
 
 
 def _files(folder):
@@ -76,11 +73,11 @@ def two_agreeing_ranks(tiny_data, tmp_path_factory):
 
 
 # torchrun: run.sh's tests and test_lesson.py. The plain form starts nothing: in this process.
-@pytest.mark.parametrize("form", [pytest.param("launch", marks=pytest.mark.launch),
-                                  pytest.param("local_rank", marks=pytest.mark.launch), "plain"])
+@pytest.mark.parametrize("form", [pytest.param("launch", marks=pytest.mark.launch), "local_rank", "plain"])
 def test_each_launch_form_trains_and_evaluates(form, tiny_data, tmp_path, capsys, request):
-    """Each way of starting main.py, the launcher being the point: torch.distributed.launch and a process per rank
-    by hand start real processes; the plain form runs main.main in this process. Trains: an epoch recorded, and
+    """Each way of starting main.py: torch.distributed.launch starts fresh interpreters, the launcher being the
+    point; a process per rank by hand, with --local_rank, is forked from this process; the plain form runs main.main
+    in this process. Trains: an epoch recorded, and
     with two ranks, bitwise the model of two forked ranks that evaluated the same model (the ranks agree).
     Evaluates: the mIoU printed is the one recorded, and the checkpoint, evaluated again here in one process, gives
     that mIoU and every val image's prediction byte for byte: every rank's share was evaluated and counted."""
@@ -92,7 +89,7 @@ def test_each_launch_form_trains_and_evaluates(form, tiny_data, tmp_path, capsys
     elif form == "launch":  # deprecated, passes --local-rank=N
         log = run([PY, "-m", "torch.distributed.launch", "--nproc_per_node=2", port, *common])
     elif form == "local_rank":
-        log = _manual_launch(common[1:])
+        log = _manual_launch(common[1:], str(tmp_path / "logs"))
     else:  # python main.py: no launcher, no process group (in this process: the same code, no start-up to wait for)
         main.main(main.get_args_parser().parse_args(common[1:]))
         log = capsys.readouterr().out
