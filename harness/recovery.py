@@ -366,10 +366,10 @@ def _say_record_and_exit(message, say_it):
     if dist.is_initialized() and get_world_size() > 1:
         paths.release_output()
         os._exit(1)  # peers may be inside a collective with us: tearing the process group down can hang
-    # The run's frames, which the error's traceback keeps, let go of what they hold (the model, the DataLoader's
-    # workers) now: a process that goes on (a notebook keeps the last error; a second main() in one process) would
-    # otherwise keep them until a garbage collection, which shuts each persistent worker down in 5 s, not at once
-    # (torch's DataLoader; test_torch_claims). The line above is all this error shows: no traceback reads them.
+    # The failed run's frames are cleared now. The error's traceback keeps them, and they hold the model and the
+    # DataLoader's workers. A process that goes on keeps the error (a notebook; a second main() in one process).
+    # A garbage collection would free them later, and wait 5 s for each persistent worker (test_torch_claims).
+    # No traceback of this error is shown: its one line is all.
     traceback.clear_frames(sys.exc_info()[2])
     sys.exit(1)
 

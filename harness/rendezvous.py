@@ -1,7 +1,7 @@
 """run.sh's wait for the other nodes: `python -c 'import harness.rendezvous; ...'`, beside torchrun on each node of
 several, says how many nodes have joined torchrun's rendezvous until they all have. It imports torch.distributed and
-nothing of the project: it starts in half the time of a module that imports torchvision (BENCHMARKS.md), beside the
-torchrun it watches."""
+nothing of the project: it starts in half the time of a module that imports torchvision (BENCHMARKS.md). It starts
+with torchrun, on the same cores."""
 import pickle
 import time
 from datetime import timedelta

@@ -80,8 +80,8 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    """The longest tests first: those that launch programs, and the few in this process that take 5 s or more
-    (marked long). Two workers then end together, instead of one finishing a minute's launch, or a wait of 10 s,
+    """The longest tests first: those that launch programs, and the few others that take 5 s or more (marked
+    long). Two workers then end together, instead of one finishing a minute's launch, or a wait of 10 s,
     while the other has nothing left (each worker takes the next test as it ends one: pytest.ini). In each group,
     the files' order. (A module fixture that serves tests of both groups is made once for each: test_predict's
     checkpoint, a torch.save.)"""

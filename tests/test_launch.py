@@ -1,4 +1,5 @@
-"""main.py under each launcher, and run.sh end to end, as a user runs them (subprocesses, gloo, CPU)."""
+"""main.py under each launcher, and run.sh end to end, as a user runs them (gloo, CPU): subprocesses where the
+launcher is the point, ranks forked from this process where main.py's reading of its variables is."""
 import json
 import os
 import pathlib
@@ -28,8 +29,8 @@ def test_local_rank_from_either_flag_or_environment():
 
 def _manual_launch(argv, logs):
     """The pre-torchrun way: a process per rank, MASTER_ADDR/PORT, RANK, WORLD_SIZE, and --local_rank; no
-    LOCAL_RANK. Each rank forked from this process: main.py's reading of them is the point (a fresh interpreter's
-    start is torch.distributed.launch's form). -> what rank 0 said (the others say nothing but their errors)."""
+    LOCAL_RANK. Each rank is forked from this process: main.py's reading of them is the point. (The launch form
+    tests a fresh interpreter's start.) -> what rank 0 said (the others say nothing but their errors)."""
     assert "LOCAL_RANK" not in os.environ  # (the forks inherit this process's variables)
     os.makedirs(logs)
     port = str(free_port())
@@ -72,13 +73,13 @@ def two_agreeing_ranks(tiny_data, tmp_path_factory):
     return checkpoint_of(os.path.join(folder, "out"))["model"]
 
 
-# torchrun: run.sh's tests and test_lesson.py. The plain form starts nothing: in this process.
+# torchrun: run.sh's tests and test_lesson.py. The local_rank form forks its ranks; the plain form runs here.
 @pytest.mark.parametrize("form", [pytest.param("launch", marks=pytest.mark.launch), "local_rank", "plain"])
 def test_each_launch_form_trains_and_evaluates(form, tiny_data, tmp_path, capsys, request):
     """Each way of starting main.py: torch.distributed.launch starts fresh interpreters, the launcher being the
     point; a process per rank by hand, with --local_rank, is forked from this process; the plain form runs main.main
-    in this process. Trains: an epoch recorded, and
-    with two ranks, bitwise the model of two forked ranks that evaluated the same model (the ranks agree).
+    in this process. Trains: an epoch recorded, and with two ranks, bitwise the model of two forked ranks that
+    evaluated the same model (the ranks agree).
     Evaluates: the mIoU printed is the one recorded, and the checkpoint, evaluated again here in one process, gives
     that mIoU and every val image's prediction byte for byte: every rank's share was evaluated and counted."""
     out, predictions = str(tmp_path / "out"), str(tmp_path / "predictions")

@@ -151,17 +151,19 @@ def _miou(model, val_set, num_classes, counted):
 @pytest.mark.launch
 def test_the_lesson_on_a_data_set_and_a_model_written_from_its_contract_alone(tmp_path, monkeypatch, capsys):
     """The printed lesson beside tests/contract's dataset.py and models.py, written from main.py's docstring and
-    importing nothing of the project, on two gloo processes with a persistent worker each (-j 1). Trained 2 epochs
-    straight (two ranks forked from this process, which has imported it); and 2 epochs again under torchrun, crashed
-    in the second (the data set fails there) and resumed from the first's checkpoint, under torchrun again
-    (tests/contract's classes have nothing public beyond the contract): the weights and the optimizer equal bit for
-    bit, which needs what the contract says of the augmentation's draw, and of .epoch (with a plain attribute, the
-    persistent workers never see epoch 1: the crash does not come, checked first, and their draw stays at epoch 0's).
+    importing nothing of the project, on two gloo processes with a persistent worker each (-j 1). It trains 2 epochs
+    straight, in two ranks forked from this process (which imports the lesson first). It trains 2 epochs again under
+    torchrun, crashed in the second (the data set fails there), and resumes from the first's checkpoint under
+    torchrun again (tests/contract's classes have nothing public beyond the contract). The weights and the optimizer
+    equal bit for bit. That needs what the contract says of the augmentation's draw, and of .epoch: with a plain
+    attribute, the persistent workers never see epoch 1 (the crash does not come, checked first, and their draw
+    stays at epoch 0's).
     The mIoU printed is the one worked out here over each val image once (5 images on 2 ranks: counting one twice,
     as a padded sampler would, differs), and the one -e prints in one plain process (this one), without the optional
     save_prediction. The model's name is not given: MODEL_NAMES' first is the default."""
     folder = _lesson_in(tmp_path / "lesson", os.path.join(CONTRACT, "dataset.py"), os.path.join(CONTRACT, "models.py"))
-    lifted, _ = _import_lifted(folder, monkeypatch)
+    lifted, loaded = _import_lifted(folder, monkeypatch)
+    assert {name for name, path in loaded.items() if path.startswith(ROOT + os.sep)} == set(), loaded
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "main.py"]
     common = ["--data", "unused", "--pretrained-backbone", "none", "--crop-size", "32", "-b", "2", "-j", "1",
               "--lr", "0.05", "--seed", "3"]

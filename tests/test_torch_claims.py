@@ -4,6 +4,7 @@ who copies the comment. Nothing here runs on a GPU; what only a GPU shows is lis
 import contextlib
 import json
 import os
+import pathlib
 import subprocess
 import sys
 from datetime import timedelta
@@ -17,7 +18,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
-from conftest import ROOT
+from conftest import ROOT, built_once
 
 # --- the launchers: what a process is given -----------------------------------------------------------------------
 RECORDER = """import json, os, signal, sys, time
@@ -49,24 +50,31 @@ if count == "0":
 def launched(tmp_path_factory):
     """One torchrun (a restart allowed) and one torch.distributed.launch, side by side, each starting two processes
     of a script that records its arguments and environment (two, so that a rank's own values differ from the
-    other's). -> {launcher: [what each attempt's rank 0 and rank 1 recorded, in that order]}, with "said" (each
-    launcher's output) and "stopped" (for each, the first attempt's healthy ranks that it stopped)."""
-    folder = tmp_path_factory.mktemp("launched")
-    script = folder / "record.py"
-    script.write_text(RECORDER)
-    runs = {}
-    for name, module in (("torchrun", "torch.distributed.run"), ("launch", "torch.distributed.launch")):
-        out = folder / name
-        out.mkdir()
-        runs[name] = subprocess.Popen([sys.executable, "-m", module, "--standalone", "--nproc_per_node=2",
-                                       "--max-restarts=1", str(script), "--mine"], cwd=ROOT, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True, env={**os.environ, "OMP_NUM_THREADS": "1",
-                                                                     "RECORD_TO": str(out)})
-    said = {name: process.communicate(timeout=120)[0] for name, process in runs.items()}
+    other's). Made once for the whole run (conftest.built_once): its tests run on both workers. -> {launcher: [what
+    each attempt's rank 0 and rank 1 recorded, in that order]}, with "said" (each launcher's output) and "stopped"
+    (for each, the first attempt's healthy ranks that it stopped)."""
+    launchers = {"torchrun": "torch.distributed.run", "launch": "torch.distributed.launch"}
+
+    def launch_both(folder):
+        script = os.path.join(folder, "record.py")
+        with open(script, "w") as f:
+            f.write(RECORDER)
+        runs = {}
+        for name, module in launchers.items():
+            out = os.path.join(folder, name)
+            os.mkdir(out)
+            runs[name] = subprocess.Popen([sys.executable, "-m", module, "--standalone", "--nproc_per_node=2",
+                                           "--max-restarts=1", script, "--mine"], cwd=ROOT, stdout=subprocess.PIPE,
+                                          stderr=subprocess.STDOUT, text=True,
+                                          env={**os.environ, "OMP_NUM_THREADS": "1", "RECORD_TO": out})
+        for name, process in runs.items():
+            with open(os.path.join(folder, f"{name}.said"), "w") as f:
+                f.write(process.communicate(timeout=120)[0])
+    folder = pathlib.Path(built_once(tmp_path_factory, "launched", launch_both))
     return {name: [json.loads(path.read_text()) for path in sorted((folder / name).glob("attempt*.json"))]
-            for name in runs} | {"said": said, "stopped": {name: sorted(path.name for path in
-                                                                   (folder / name).glob("stopped*"))
-                                                       for name in runs}}
+            for name in launchers} | {
+        "said": {name: (folder / f"{name}.said").read_text() for name in launchers},
+        "stopped": {name: sorted(path.name for path in (folder / name).glob("stopped*")) for name in launchers}}
 
 
 @pytest.mark.launch
@@ -718,9 +726,9 @@ def test_torch_save_writes_a_crc_32_for_each_record_and_one_attribute_bit_escape
 
 def test_a_dataloader_worker_ends_quietly_on_its_parents_sigterm_and_dies_of_anyone_elses(monkeypatch):
     """torch's own handler in each worker: SIGTERM from the parent -> exit 0; from another process (a scheduler
-    signalling the whole job) -> killed by the signal, which the parent then raises mid-iteration (harness/stops.py):
-    from its SIGCHLD handler, or where that ran before the worker had died, after its next wait for a batch of
-    MP_STATUS_CHECK_INTERVAL (5 s, bound as a default argument: half a second here, the same path)."""
+    signalling the whole job) -> killed by the signal, which the parent then raises mid-iteration (harness/stops.py).
+    The parent's SIGCHLD handler raises it. Where that handler ran before the worker had died, the parent's next wait
+    for a batch does, after MP_STATUS_CHECK_INTERVAL (5 s, bound as a default argument: half a second here)."""
     import signal
     import time
     from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
@@ -753,11 +761,12 @@ def test_a_dataloader_worker_ends_quietly_on_its_parents_sigterm_and_dies_of_any
 
 def test_a_dataloader_freed_by_a_garbage_collection_waits_for_each_worker_and_by_its_last_reference_does_not(
         monkeypatch):
-    """A DataLoader with persistent workers, freed: by its last reference, its workers end at once; by a garbage
-    collection (a reference cycle: an error's traceback kept beside the frames it holds), each worker is waited for
-    MP_STATUS_CHECK_INTERVAL (5 s) and then killed. The collection runs the weakref callbacks of multiprocessing's
-    queues before the iterator's __del__: the feeder threads that would carry each worker its last message are closed
-    first. (harness/recovery.py clears a failed run's frames.) Half a second here instead of 5."""
+    """A DataLoader with persistent workers, freed by its last reference: its workers end at once. Freed by a
+    garbage collection (in a reference cycle, as an error, its traceback and a frame holding the error make one):
+    each worker is waited for MP_STATUS_CHECK_INTERVAL (5 s), then terminated. The collection runs the weakref
+    callbacks of multiprocessing's queues before the iterator's __del__. So the feeder threads that would carry each
+    worker its last message are closed first. (harness/recovery.py clears a failed run's frames.) Half a second here
+    instead of 5."""
     import gc
     import time
     from torch.utils.data import _utils
