@@ -10,6 +10,7 @@ from torch.utils.data import DataLoader, Subset
 from torch.utils.data.distributed import DistributedSampler
 
 import main
+from conftest import TRAIN_ARGS
 from dataset import IGNORE_INDEX, NUM_CLASSES, Cityscapes
 from models import build_model
 
@@ -33,7 +34,7 @@ def _entry(rank, fn, world_size, tmp, args):
 
 def _tiny_model(seed=0):
     torch.manual_seed(seed)
-    return build_model("deeplabv3plus_mobilenet_v3_large", NUM_CLASSES)
+    return build_model(TRAIN_ARGS[1], NUM_CLASSES)  # the tests' tiny DeepLabV3+ (conftest)
 
 
 # --- after several DDP steps every parameter and buffer is identical on every rank -----------------
