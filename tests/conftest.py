@@ -366,15 +366,16 @@ def fork_ranks(argv, outputs, world_size=2, program="main"):
     return ranks
 
 
-def fork_main(argv, output, environment=(), own_group=False):
-    """main.main(argv) in one forked copy of this process, as a program started by hand: a process of its own, with
+def fork_main(argv, output, environment=(), own_group=False, program="main"):
+    """main(argv) of the module program (main.py's, or predict.py's) in one forked copy of this process, as a program
+    started by hand: a process of its own, with
     environment's variables added (none of a launcher's unless given), one thread, its output to the file output,
     and with own_group the leader of a process group of its own. What it does with signals is main.py's: a fresh
     interpreter would add only the seconds it takes to import torch. -> ForkedRank."""
     open(output, "w").close()  # there before the process starts: a test may read it at once
     process = multiprocessing.get_context("fork").Process(
         target=_run_rank, args=(argv, {"OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", **dict(environment)},
-                                output, own_group))
+                                output, own_group, program))
     process.start()
     return ForkedRank(process, output)
 

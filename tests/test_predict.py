@@ -1,6 +1,5 @@
 """predict.py as a user runs it: any images in, one prediction each at its size; bad input named; torchrun
 shares the images out; the ONNX export computes what PyTorch computes."""
-import multiprocessing
 import os
 import re
 import subprocess
@@ -13,7 +12,8 @@ import torch
 from PIL import Image
 
 from harness import checkpoints
-from conftest import ROOT, TRAIN_ARGS, fingerprint, free_port, no_shared_memory_in_workers, no_space, run, varied_model
+from conftest import (ROOT, TRAIN_ARGS, fingerprint, finish_ranks, fork_main, free_port, no_shared_memory_in_workers,
+                      no_space, run, varied_model)
 from dataset import CLASS_COLORS, TRAINID_TO_ID
 import predict
 
@@ -146,28 +146,15 @@ def test_a_full_disk_ends_in_one_line(checkpoint, tmp_path, monkeypatch, capsys)
                                   "on device; ") + r"\d+ MiB free there when it failed\): free space there", line), line
 
 
-def _export_in_a_fork(checkpoint, path):
-    """predict.py --export, in a forked copy of this process. Seen with torch 2.14: after torch.export in a process
-    that had run no backward yet, its first backward starts autograd's device threads, and each process forked from
-    it afterwards fails its first backward ("Unable to handle autograd's threading in combination with fork-based
-    multiprocessing"). In pytest's own process, that failed every later test that forks ranks."""
-    def export():
-        code = 1
-        try:
-            predict.main(predict.get_args_parser().parse_args(["--resume", checkpoint, "--export", path]))
-            code = 0
-        finally:
-            os._exit(code)  # (none of pytest's exit code may run in the fork)
-    process = multiprocessing.get_context("fork").Process(target=export)
-    process.start()
-    process.join(timeout=300)
-    assert process.exitcode == 0, process.exitcode
-
-
 @pytest.mark.long
 def test_onnx_export_computes_what_pytorch_computes(checkpoint, tmp_path):
+    """The export runs in a forked copy of this process. Seen with torch 2.14: after torch.export in a process that had
+    run no backward yet, its first backward starts autograd's device threads, and each process forked from it
+    afterwards fails its first backward ("Unable to handle autograd's threading in combination with fork-based
+    multiprocessing"). In pytest's own process, that failed every later test that forks ranks."""
     path = str(tmp_path / "model.onnx")
-    _export_in_a_fork(checkpoint, path)
+    exporter = fork_main(["--resume", checkpoint, "--export", path], str(tmp_path / "export.log"), program="predict")
+    assert finish_ranks([exporter])[0].startswith(f"wrote {path}"), exporter
     session = onnxruntime.InferenceSession(path, providers=["CPUExecutionProvider"])
     model = checkpoints.load_for_inference(checkpoint)[0]
     for shape in ((1, 3, 64, 128), (3, 3, 75, 101)):  # batch, height and width other than the example's
