@@ -311,8 +311,8 @@ class ForkedRank(NamedTuple):
 
 def _run_rank(argv, environment, output, own_group=False, program="main"):
     """A forked rank's life: its own variables and files (and process group, own_group: as a shell starts a
-    command), main(argv) of the module program (main.py's, or a lesson this process imported: test_lesson), then
-    os._exit with its status, at once:
+    command), main(argv) of the module program (main.py's, predict.py's, or a lesson this process imported:
+    test_lesson), then os._exit with its status, at once:
     the child is a copy of pytest, none of whose exit code may run there, and multiprocessing's own ending would
     wait for any non-daemon thread left running. (A fork that ended Python's normal way would also hang there:
     faulthandler's timer, which pytest.ini arms around each test, waits at exit for its timer thread to release a
