@@ -70,16 +70,36 @@ def _read_terminal(terminal, text, timeout=120):
     return seen
 
 
-def _wait_until_pending(pid, number, timeout=30):
-    """Until signal `number` waits for process pid (stopped, it takes none): its pending set in /proc."""
+def _wait_until_pending(pid, number, others, timeout=30):
+    """Until signal `number` waits for process pid (stopped, it takes none): its pending set in /proc. If it never
+    does, the failure describes pid and the processes others (a list of PIDs)."""
     deadline = time.time() + timeout
     while True:
         with open(f"/proc/{pid}/status") as f:
             pending = [int(line.split()[1], 16) for line in f if line.startswith(("SigPnd:", "ShdPnd:"))]
         if any(mask >> (number - 1) & 1 for mask in pending):
             return
-        assert time.time() < deadline, f"signal {number} never reached process {pid}"
+        described = _described(dict.fromkeys([pid, *others]))
+        assert time.time() < deadline, f"signal {number} never reached process {pid}:\n{described}"
         time.sleep(0.02)
+
+
+def _described(pids):
+    """What a failed wait needs to be understood: each of pids still there, with its state (T: stopped, Z: exited and
+    not yet reaped), its parent, and its signals pending, blocked and ignored (bit N-1: signal N)."""
+    wanted = ("State:", "PPid:", "SigPnd:", "ShdPnd:", "SigBlk:", "SigIgn:")
+    lines = []
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = f.read().replace(b"\0", b" ").decode(errors="replace")[:100]
+            with open(f"/proc/{pid}/status") as f:
+                status = " ".join(line.split(":")[0] + " " + line.split()[1] for line in f if line.startswith(wanted))
+        except OSError:
+            lines.append(f"{pid} gone")
+            continue
+        lines.append(f"{pid} {status} {argv}")
+    return "\n".join(lines)
 
 
 def _exit_status(pid, timeout):
@@ -150,7 +170,7 @@ def test_preempted_mid_epoch_resumes_at_next_batch_and_matches(data24, straight,
             os.kill(worker, signal.SIGSTOP)
         os.close(terminal)
         for worker in workers:
-            _wait_until_pending(worker, signal.SIGHUP)
+            _wait_until_pending(worker, signal.SIGHUP, [pid, *processes_mentioning(out)])
             os.kill(worker, signal.SIGCONT)
         assert _exit_status(pid, timeout=120) == 0
     finally:  # (torchrun and its workers, in a session of their own, go with the test's folder: conftest)
