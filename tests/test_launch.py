@@ -84,11 +84,9 @@ def test_each_launch_form_trains_and_evaluates(form, tiny_data, tmp_path, capsys
     that mIoU and every val image's prediction byte for byte: every rank's share was evaluated and counted."""
     out, predictions = str(tmp_path / "out"), str(tmp_path / "predictions")
     common = ["main.py", *_one_epoch(tiny_data, out, predictions)]
-    port = f"--master_port={free_port()}"
-    if form == "torchrun":
-        log = run([PY, "-m", "torch.distributed.run", "--nproc_per_node=2", port, *common])
-    elif form == "launch":  # deprecated, passes --local-rank=N
-        log = run([PY, "-m", "torch.distributed.launch", "--nproc_per_node=2", port, *common])
+    if form == "launch":  # deprecated, passes --local-rank=N
+        log = run([PY, "-m", "torch.distributed.launch", "--nproc_per_node=2", f"--master_port={free_port()}",
+                   *common])
     elif form == "local_rank":
         log = _manual_launch(common[1:], str(tmp_path / "logs"))
     else:  # python main.py: no launcher, no process group (in this process: the same code, no start-up to wait for)
@@ -113,7 +111,6 @@ def test_each_launch_form_trains_and_evaluates(form, tiny_data, tmp_path, capsys
     assert result["num_images"] == 5 and result["miou"] == record["miou"]
     written = _files(predictions)
     assert len(written) == 5 and written == _files(again)
-
 
 
 @pytest.mark.launch
