@@ -154,6 +154,9 @@ def test_preempted_mid_epoch_resumes_at_next_batch_and_matches(data24, straight,
     # on): run.sh passes it on, the workers save, and nothing fails (no restart is allowed, so none is needed).
     pid, terminal = pty.fork()
     if pid == 0:  # run.sh in a terminal of its own
+        # SIGHUP at its default, as a terminal's shell has it. A pytest started under nohup ignores SIGHUP, and
+        # bash cannot trap a signal that was ignored when it started: run.sh would not pass the hang-up on.
+        signal.signal(signal.SIGHUP, signal.SIG_DFL)
         os.chdir(ROOT)
         os.execve("./run.sh", ["./run.sh", "--epochs", "2", "--resume", "auto", *SLOW_ARGS],
                   {**cpu_env(), **env, "MASTER_PORT": str(free_port()), "MAX_RESTARTS": "0"})
