@@ -72,20 +72,21 @@ def _read_terminal(terminal, text, timeout=120):
 
 def _wait_until_pending(pid, number, others, timeout=30):
     """Until signal `number` waits for process pid (stopped, it takes none): its pending set in /proc. If it never
-    does, the failure describes pid and the processes others (a list of PIDs)."""
+    does, the assertion's message describes pid and each PID in others."""
     deadline = time.time() + timeout
     while True:
         with open(f"/proc/{pid}/status") as f:
             pending = [int(line.split()[1], 16) for line in f if line.startswith(("SigPnd:", "ShdPnd:"))]
         if any(mask >> (number - 1) & 1 for mask in pending):
             return
-        described = _described(dict.fromkeys([pid, *others]))
-        assert time.time() < deadline, f"signal {number} never reached process {pid}:\n{described}"
+        if time.time() >= deadline:
+            described = _described(dict.fromkeys([pid, *others]))
+            raise AssertionError(f"signal {number} never reached process {pid}:\n{described}")
         time.sleep(0.02)
 
 
 def _described(pids):
-    """What a failed wait needs to be understood: each of pids still there, with its state (T: stopped, Z: exited and
+    """What a failed wait needs to be understood: each of pids (or "gone"), with its state (T: stopped, Z: exited and
     not yet reaped), its parent, and its signals pending, blocked and ignored (bit N-1: signal N)."""
     wanted = ("State:", "PPid:", "SigPnd:", "ShdPnd:", "SigBlk:", "SigIgn:")
     lines = []
