@@ -71,12 +71,15 @@ def _read_terminal(terminal, text, timeout=120):
 
 
 def _wait_until_pending(pid, number, others, timeout=30):
-    """Until signal `number` waits for process pid (stopped, it takes none): its pending set in /proc. If it never
-    does, the assertion's message describes pid and each PID in others."""
+    """Returns once signal `number` is pending for process pid (stopped, it takes none): its pending set in /proc.
+    If it never is, or pid is gone, the assertion's message describes pid and each PID in others."""
     deadline = time.time() + timeout
     while True:
-        with open(f"/proc/{pid}/status") as f:
-            pending = [int(line.split()[1], 16) for line in f if line.startswith(("SigPnd:", "ShdPnd:"))]
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                pending = [int(line.split()[1], 16) for line in f if line.startswith(("SigPnd:", "ShdPnd:"))]
+        except OSError:  # gone (reaped)
+            pending, deadline = [], 0
         if any(mask >> (number - 1) & 1 for mask in pending):
             return
         if time.time() >= deadline:
@@ -87,7 +90,8 @@ def _wait_until_pending(pid, number, others, timeout=30):
 
 def _described(pids):
     """What a failed wait needs to be understood: each of pids (or "gone"), with its state (T: stopped, Z: exited and
-    not yet reaped), its parent, and its signals pending, blocked and ignored (bit N-1: signal N)."""
+    not yet reaped), its parent, its signals pending, blocked and ignored (bit N-1: signal N), and the start of its
+    command line."""
     wanted = ("State:", "PPid:", "SigPnd:", "ShdPnd:", "SigBlk:", "SigIgn:")
     lines = []
     for pid in pids:
