@@ -85,7 +85,7 @@ def pytest_collection_modifyitems(config, items):
     while the other has nothing left (each worker takes the next test as it ends one: pytest.ini). In each group,
     the files' order. (A module fixture that serves tests of both groups is made once for each: test_predict's
     checkpoint, a torch.save.)"""
-    items.sort(key=lambda item: item.get_closest_marker("launch") is None and item.get_closest_marker("long") is None)
+    items.sort(key=lambda item: not any(item.get_closest_marker(name) for name in ("launch", "long")))
 
 
 def pytest_unconfigure(config):
@@ -368,10 +368,10 @@ def fork_ranks(argv, outputs, world_size=2, program="main"):
 
 def fork_main(argv, output, environment=(), own_group=False, program="main"):
     """main(argv) of the module program (main.py's, or predict.py's) in one forked copy of this process, as a program
-    started by hand: a process of its own, with
-    environment's variables added (none of a launcher's unless given), one thread, its output to the file output,
-    and with own_group the leader of a process group of its own. What it does with signals is main.py's: a fresh
-    interpreter would add only the seconds it takes to import torch. -> ForkedRank."""
+    started by hand: a process of its own, with environment's variables added (none of a launcher's unless given),
+    one thread, its output to the file output, and with own_group the leader of a process group of its own. What it
+    does with signals is main.py's: a fresh interpreter would add only the seconds it takes to import torch.
+    -> ForkedRank."""
     open(output, "w").close()  # there before the process starts: a test may read it at once
     process = multiprocessing.get_context("fork").Process(
         target=_run_rank, args=(argv, {"OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", **dict(environment)},

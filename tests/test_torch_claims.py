@@ -18,7 +18,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
-from conftest import ROOT, built_once
+from conftest import ROOT, TRAIN_ARGS, built_once
 
 # --- the launchers: what a process is given -----------------------------------------------------------------------
 RECORDER = """import json, os, signal, sys, time
@@ -469,7 +469,7 @@ def test_accumulation_gives_the_whole_batchs_gradient_except_through_batchnorm()
     forward over its own images. Only BatchNorm's mode differs."""
     from models import build_model
     torch.manual_seed(0)
-    model = build_model("deeplabv3plus_mobilenet_tiny", 5).train()
+    model = build_model(TRAIN_ARGS[1], 5).train()  # the tests' tiny DeepLabV3+ (conftest)
     dropouts = [m for m in model.modules() if isinstance(m, torch.nn.Dropout)]
     norms = [m for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
     assert dropouts and norms
