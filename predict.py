@@ -68,8 +68,10 @@ def get_args_parser():
                         help="images of one size per forward (default: %(default)s)")
     parser.add_argument("-j", "--workers", type=int, default=None, help="decoding workers per process; 0: "
                         "in the process itself (default: its share of the cores, less one)")
-    parser.add_argument("--amp", nargs="?", const="bf16", choices=("bf16", "fp16"), help="mixed precision: bf16 (the "
-                        "default when given alone) or fp16 (CUDA only, by this program's choice)")
+    parser.add_argument("--amp", nargs="?", const="auto", choices=("auto", "bf16", "fp16", "off"),
+                        help="mixed precision. Given alone: bf16 where the GPU runs it natively (A100, RTX 30xx and "
+                        "later; the CPU), else fp16 (V100, T4; CUDA only, by this program's choice). off: float32 "
+                        "(the default)")
     parser.add_argument("--dist-timeout", type=float, default=5.0, metavar="MINUTES",
                         help="under torchrun: a rank that waits longer than this for the others ends (default: "
                         "%(default)s)")

@@ -144,14 +144,12 @@ if compgen -G "$DATA/leftImg8bit/train/*/*_leftImg8bit.png" >/dev/null || [ -f "
   # keeps the global batch at 16 with at most the two-GPU layout's 8 images per process and forward (about
   # 9 GiB with --amp, 15 in fp32: docs/memory.md): one process accumulates two batches of 8 (--accum-steps 2:
   # the gradient of 16 images, but BatchNorm's statistics over each forward's 8, where two GPUs' cover 16),
-  # two take 8 each, four 4, eight 2.
-  BATCH=$(( 16 / WORLD )); [ "$BATCH" -ge 1 ] || BATCH=1
+  # two take 8 each, four 4, eight 2. Other counts take the -b nearest 16 / processes (3 GPUs: 5, a global
+  # batch of 15; 6: 3, 18; 7: 2, 14), and --base-batch 16 scales --lr with the global batch (main.py says so).
+  BATCH=$(( (32 + WORLD) / (2 * WORLD) )); [ "$BATCH" -ge 1 ] || BATCH=1
   [ "$BATCH" -le 8 ] || BATCH=8
   ACCUM=$(( 16 / (BATCH * WORLD) )); [ "$ACCUM" -ge 1 ] || ACCUM=1
-  if [ $(( BATCH * WORLD * ACCUM )) -ne 16 ]; then
-    say "run.sh: note: global batch is $(( BATCH * WORLD * ACCUM )), not the recipe's 16 ($WORLD processes)"
-  fi
-  ARGS=(-b "$BATCH" --accum-steps "$ACCUM")
+  ARGS=(-b "$BATCH" --accum-steps "$ACCUM" --base-batch 16)
 else
   # The demo writes into a folder of its own, so that a run on real data later does not meet it in output/.
   OUTPUT_DIR=${OUTPUT_DIR:-output/demo}

@@ -21,11 +21,11 @@ dataset.py gives open_dataset(root, split, ...) -> a map-style torch Dataset (__
   has no use for, but not crop_size: every training sample has that size, so that a batch stacks. It holds at
   least one global batch (-b x processes x --accum-steps) of samples.
 - Evaluation: open_dataset(root, "val", cache_dir=DIR or None), at full size, one image a batch. Its labels index
-  the training set's classes.
+  the training set's classes. -e opens this split alone: a folder without training images can be evaluated.
 - dataset[i] -> (image, label), torch tensors. image: uint8 (3, H, W), RGB, not normalised (the lesson normalises
   each batch on the device with ImageNet's mean and std: normalize below). label: (H, W) class indices, 255
   (IGNORE_INDEX) where no class is known.
-- .classes (of the training set): {"names": [each class's name, in index order]}, plain data (lists, strings,
+- .classes (the same on both splits): {"names": [each class's name, in index order]}, plain data (lists, strings,
   numbers): a checkpoint keeps it, and torch.load(weights_only=True) reads back only plain data and tensors.
 - .epoch: the lesson sets it before each epoch. Draw a training sample's augmentation from (seed, epoch, index)
   alone, not from torch's or numpy's global generator: a resumed run then draws what an uninterrupted one would.
@@ -109,6 +109,9 @@ def get_args_parser():
                         "step per N batches; the global batch is -b x processes x N (default: %(default)s)")
     parser.add_argument("--lr", type=float, default=0.1, help="initial learning rate, decayed by poly(0.9) "
                         "(default: %(default)s)")
+    parser.add_argument("--base-batch", type=int, metavar="N", help="the global batch --lr is meant for: another "
+                        "global batch scales it linearly, lr x global batch / N (default: none, --lr as given; "
+                        "run.sh: 16)")
     parser.add_argument("--backbone-lr", type=float, default=0.1, metavar="FACTOR", help="the backbone's learning "
                         "rate as a fraction of --lr (pretrained layers move slower) (default: %(default)s)")
     parser.add_argument("--momentum", type=float, default=0.9, help="SGD's (default: %(default)s)")
@@ -128,8 +131,10 @@ def get_args_parser():
 
 def add_launch_arguments(parser):
     """How the processes run: precision, the process group, DDP's and the GPU's options, Step 1's local rank."""
-    parser.add_argument("--amp", nargs="?", const="bf16", choices=("bf16", "fp16"), help="mixed precision: bf16 (the "
-                        "default when given alone) or fp16 (with a GradScaler; CUDA only, by this program's choice)")
+    parser.add_argument("--amp", nargs="?", const="auto", choices=("auto", "bf16", "fp16", "off"),
+                        help="mixed precision. Given alone: bf16 where the GPU runs it natively (A100, RTX 30xx and "
+                        "later; the CPU), else fp16 (V100, T4). fp16 takes a GradScaler and CUDA (this program's "
+                        "choice). off: float32 (default: off; with -e: the checkpoint's)")
     parser.add_argument("--dist-backend", choices=("nccl", "gloo"), help="(default: nccl with CUDA, gloo on the CPU)")
     parser.add_argument("--dist-timeout", type=float, default=5.0, metavar="MINUTES", help="a collective that waits "
                         "longer than this (a lost peer) ends the job (default: %(default)s; PyTorch's own: 30 for "
@@ -175,6 +180,16 @@ def global_batch(args):
     return args.batch_size * get_world_size() * args.accum_steps
 
 
+def scaled_lr(args):
+    """The learning rate for this run's global batch. --lr was tuned for a global batch of --base-batch (the recipe's
+    16); where the processes cannot make exactly that (6 GPUs: -b 3 makes 18), the rate scales linearly with the
+    global batch, the convention of detectron2 (REFERENCE_WORLD_SIZE) and mmengine (auto_scale_lr). The number of
+    epochs, so the images seen, stays; the number of steps changes with the batch. Without --base-batch, --lr."""
+    if args.base_batch is None:
+        return args.lr
+    return args.lr * global_batch(args) / args.base_batch
+
+
 def all_reduce(tensor, op=dist.ReduceOp.SUM):
     """In place over all ranks (a no-op in one plain process). A collective: every rank must call it."""
     if dist.is_initialized():
@@ -201,11 +216,21 @@ def normalize(images):
     return (images.float() * (1 / 255) - mean) / std  # (torchvision.transforms.v2's arithmetic: its floats)
 
 
+def native_amp(amp, device):
+    """--amp given alone ("auto") -> "bf16" where the device runs bfloat16 natively (the CPU; NVIDIA GPUs of compute
+    capability 8.0 and later: A100, RTX 30xx and on), else "fp16" (V100, T4, RTX 20xx emulate bfloat16, slowly).
+    Any other value as it is."""
+    if amp != "auto":
+        return amp
+    native_bf16 = device.type != "cuda" or torch.cuda.is_bf16_supported(including_emulation=False)
+    return "bf16" if native_bf16 else "fp16"
+
+
 def autocast(args, device):
-    """--amp's mixed precision (a context that does nothing without it). bfloat16 has float32's range; float16
-    does not, and needs the GradScaler train() makes for it."""
+    """--amp's mixed precision (a context that does nothing without it, or with --amp off). bfloat16 has float32's
+    range; float16 does not, and needs the GradScaler train() makes for it."""
     dtype = torch.float16 if args.amp == "fp16" else torch.bfloat16
-    return torch.autocast(device.type, dtype=dtype, enabled=args.amp is not None)
+    return torch.autocast(device.type, dtype=dtype, enabled=args.amp in ("bf16", "fp16"))
 
 
 def criterion(logits, labels):
@@ -261,7 +286,8 @@ def train_one_epoch(model, optimizer, scaler, loader, device, epoch, first_step,
     printed = (start, 0, 0.0)  # (time, steps, data_wait) when the last line was printed
     batches = iter(loader)
     for step in range(first_step, steps_per_epoch):
-        lr = adjust_learning_rate(optimizer, args.lr, epoch * steps_per_epoch + step, args.epochs * steps_per_epoch)
+        lr = adjust_learning_rate(optimizer, scaled_lr(args), epoch * steps_per_epoch + step,
+                                  args.epochs * steps_per_epoch)
         # In place, not set_to_none: DDP's gradients are views of its all-reduce buckets (gradient_as_bucket_view),
         # and a gradient set to None comes back as a new tensor that DDP copies into its bucket every step.
         optimizer.zero_grad(set_to_none=False)
@@ -415,7 +441,7 @@ def save_checkpoint(state, path):
 
 def build(args):
     """The data, the checkpoint a run starts from (--resume) and the model, read the same way on every rank, on
-    the CPU. -> (train_set, val_set, model, checkpoint or None)."""
+    the CPU. -> (train_set, or None with -e; val_set, model, checkpoint or None)."""
     checkpoint = None
     if args.resume:
         # map_location="cpu": otherwise every rank loads onto the GPU the checkpoint was saved from (rank 0's),
@@ -424,13 +450,17 @@ def build(args):
     saved = checkpoint.get("args") or {} if checkpoint else {}  # the flags it was trained with: it knows its model
     args.model = args.model or saved.get("model", MODEL_NAMES[0])
     args.output_stride = args.output_stride or saved.get("output_stride", 16)
+    if args.evaluate:  # -e evaluates in the precision the run evaluated in, unless --amp is given
+        args.amp = args.amp or saved.get("amp")
     crop_size = args.crop_size * 2 if len(args.crop_size) == 1 else args.crop_size  # one number: a square
-    train_set = open_dataset(args.data, "train", crop_size=crop_size, seed=args.seed, cache_dir=args.cache_dir,
-                             scale_range=args.scale_range, color_jitter=args.color_jitter)
+    train_set = None  # -e reads the val images alone
+    if not args.evaluate:
+        train_set = open_dataset(args.data, "train", crop_size=crop_size, seed=args.seed, cache_dir=args.cache_dir,
+                                 scale_range=args.scale_range, color_jitter=args.color_jitter)
     val_set = open_dataset(args.data, "val", cache_dir=args.cache_dir)  # the same classes as train_set
     torch.manual_seed(args.seed)  # the same initial weights on every rank, and in every run of this seed
     # A checkpoint holds every weight: only a fresh start fetches the pretrained backbone.
-    model = build_model(args.model, len(train_set.classes["names"]), args.output_stride,
+    model = build_model(args.model, len(val_set.classes["names"]), args.output_stride,
                         "none" if checkpoint else args.pretrained_backbone)
     if checkpoint:
         model.load_state_dict(checkpoint.pop("model"))  # copied into the model: not kept a second time
@@ -458,6 +488,7 @@ def main(args):
     if use_cuda:
         torch.cuda.set_device(local_rank)
     device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    args.amp = native_amp(args.amp, device)  # --amp alone: bf16 or fp16, what this GPU runs natively
 
     # Step 2: the process group. The tutorial hard-codes nccl, which needs GPUs; gloo runs on the CPU. The
     # launchers set RANK and WORLD_SIZE; without them this is one plain process, which needs no group. (Under a
@@ -477,7 +508,7 @@ def main(args):
     # does with the --eval-* flags) and leave the model that trains and is saved as it is.
     model_to_evaluate = model_without_ddp
     if args.evaluate:
-        evaluation = validate(model_to_evaluate, loaders.val, device, train_set.classes, args, args.save_predictions)
+        evaluation = validate(model_to_evaluate, loaders.val, device, val_set.classes, args, args.save_predictions)
         log(f"evaluated {args.resume} on {len(val_set)} images in {evaluation.seconds:.1f} s: mIoU "
             f"{evaluation.miou:.4f}")
     else:
@@ -548,14 +579,19 @@ class SkipFirst(torch.utils.data.Sampler):
 
 
 class Loaders(NamedTuple):
-    train: DataLoader
+    train: DataLoader        # None, and the two samplers, with -e
     train_sampler: DistributedSampler
     resumable: SkipFirst     # the sampler the train loader reads: train_sampler from a resumed epoch's next batch on
     val: DataLoader
 
 
 def make_loaders(train_set, val_set, args, use_cuda):
-    """-> Loaders."""
+    """-> Loaders; with -e (train_set None), the val loader alone."""
+    workers = args.workers if args.workers is not None else default_workers()
+    val_shard = Subset(val_set, eval_shard(len(val_set), get_rank(), get_world_size()))
+    val_loader = DataLoader(val_shard, batch_size=1, num_workers=workers, pin_memory=use_cuda)
+    if train_set is None:
+        return Loaders(None, None, None, val_loader)
     # Step 4: DistributedSampler gives each rank its own part of the training set, so the DataLoader must not
     # shuffle (shuffle=False): the sampler shuffles, with the same seed on every rank.
     train_sampler = DistributedSampler(train_set, num_replicas=get_world_size(), rank=get_rank(), shuffle=True,
@@ -567,12 +603,9 @@ def make_loaders(train_set, val_set, args, use_cuda):
     # page-locked batches, whose copy to the GPU (non_blocking) does not make this process wait: it goes on
     # queueing the step's work while the copy runs. persistent_workers: training keeps its workers from
     # epoch to epoch; evaluation's exist only while it runs.
-    workers = args.workers if args.workers is not None else default_workers()
     train_loader = DataLoader(train_set, batch_size=args.batch_size, shuffle=False, sampler=resumable,
                               drop_last=True, num_workers=workers, pin_memory=use_cuda,
                               persistent_workers=workers > 0)
-    val_shard = Subset(val_set, eval_shard(len(val_set), get_rank(), get_world_size()))
-    val_loader = DataLoader(val_shard, batch_size=1, num_workers=workers, pin_memory=use_cuda)
     return Loaders(train_loader, train_sampler, resumable, val_loader)
 
 
@@ -623,6 +656,9 @@ def train(args, model, model_without_ddp, model_to_evaluate, checkpoint, train_s
         os.makedirs(args.output_dir, exist_ok=True)
     log(f"training {args.model} on {len(train_set)} images ({steps_per_epoch} steps/epoch), epochs "
         f"{start.epoch}..{args.epochs - 1} (counted from 0), evaluating on {len(loaders.val.dataset.dataset)}")
+    if scaled_lr(args) != args.lr:
+        log(f"note: global batch {global_batch(args)}, not --base-batch {args.base_batch}: the learning rate is "
+            f"scaled with it, --lr {args.lr:g} x {global_batch(args)}/{args.base_batch} = {scaled_lr(args):g}")
     for epoch in range(start.epoch, args.epochs):
         # Step 4 (continued): the tutorial never calls set_epoch. The sampler seeds its shuffle with
         # seed + epoch; without this call every epoch visits the images in the same order.

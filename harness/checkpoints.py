@@ -2,7 +2,7 @@
 said in one line instead of trusted, --weights, the checkpoint kept before the last, and a rewind's files.
 
     start = checkpoints.decide_start(args)        # --resume PATH|auto, a torchrun restart: Start(path, auto)
-    checkpoint = checkpoints.checked(checkpoint, args, train_set)   # what main.py loaded, made what it reads
+    checkpoint = checkpoints.checked(checkpoint, args, train_set, val_set)  # what main.py loaded, made what it reads
     checkpoints.load_weights(model, args, classes)   # --weights: fine-tuning from a trained model
     @checkpoints.keeping_previous                    # around main.py's save: *.prev.pth kept, a full disk said
     checkpoints.ranks_compare_start(epoch, step)     # a collective: every rank read the same start
@@ -25,7 +25,7 @@ import os
 import pickle
 import pickletools
 import zipfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -52,6 +52,7 @@ class Start:
     auto: bool = False
     model_given: bool = False  # --model was typed (else the model is the checkpoint's, or the default): said in lines
     afresh: bool = False       # --output-dir holds what a first epoch stopped before its checkpoint wrote: moved aside
+    saved: dict = field(default_factory=dict, compare=False)  # the flags the checkpoint's run was given (its "args")
 
 
 def stamped(state):
@@ -438,7 +439,9 @@ def decide_start(args):
         path, checkpoint = args.resume, read("--resume", args.resume)
     if checkpoint is not None and not args.evaluate:
         _check_it_can_resume(checkpoint, path, args, auto)
-    return Start(path or "", auto, model_given=args.model is not None)  # (before args are completed)
+    saved = saved_args(checkpoint)
+    return Start(path or "", auto, model_given=args.model is not None,  # (before args are completed)
+                 saved=dict(saved) if isinstance(saved, dict) else {})
 
 
 def _check_it_can_resume(checkpoint, path, args, auto):
@@ -487,15 +490,16 @@ def _find_in_run(output_dir, evaluate, say_none=True):
     return None, None
 
 
-def checked(checkpoint, args, train_set):
+def checked(checkpoint, args, train_set, val_set):
     """main.py's checkpoint (what its torch.load returned, or None) made what main.py reads, or one line that says
-    why it cannot be: normalized(); its model and classes this run's (train_set's), its weights fitting, and for
+    why it cannot be: normalized(); its model and classes this data's, its weights fitting, and for
     training its optimizer fitting the model (decide_start checked the rest of what resuming reads). Trained with
     another global batch, it continues at the step that has seen as many images. Says where the run goes on."""
-    RUN.train_list = training_list(train_set, args.data)  # written into every checkpoint of this run (stamped)
+    if train_set is not None:  # (-e opens the val set alone)
+        RUN.train_list = training_list(train_set, args.data)  # written into every checkpoint of this run (stamped)
     if checkpoint is None:
         return None
-    path, classes = args.resume, train_set.classes
+    path, classes = args.resume, val_set.classes
     # main.py read the file again after the preflight checked it (read()): the same file, unchanged since, or no more.
     checked_as = RUN.verified.get(os.path.abspath(path))
     try:

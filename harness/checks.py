@@ -50,6 +50,7 @@ MAIN = {
     "color_jitter": ("--color-jitter", Range(0, 1)), "workers": ("-j/--workers", Range(0)),
     "epochs": ("--epochs", Range(1)), "start_epoch": ("--start-epoch", Range(0)),
     "batch_size": ("-b/--batch-size", Range(1)), "accum_steps": ("--accum-steps", Range(1)),
+    "base_batch": ("--base-batch", Range(1)),
     "lr": ("--lr", Range(0, low_open=True)), "backbone_lr": ("--backbone-lr", Range(0)),
     "momentum": ("--momentum", Range(0, 1, high_open=True)),  # a momentum of 1 never forgets, above 1 diverges
     "weight_decay": ("--wd/--weight-decay", Range(0)), "print_freq": ("-p/--print-freq", Range(1)),
@@ -72,15 +73,23 @@ def check_numbers(args, ranges):
                      f"{flag}: {number} must be {allowed}")
 
 
+def native_amp(use_cuda):
+    """What --amp given alone means here: bf16 where it runs natively (the CPU; NVIDIA compute capability 8.0 and
+    later), else fp16 (V100, T4 and RTX 20xx emulate bfloat16, slowly). main.py's native_amp, for the harness."""
+    native_bf16 = not use_cuda or torch.cuda.is_bf16_supported(including_emulation=False)
+    return "bf16" if native_bf16 else "fp16"
+
+
 def autocast(args, use_cuda):
-    """--amp: -> a function that opens its autocast context (one that does nothing without --amp). fp16 only with
-    CUDA is this program's choice, not torch's limit (torch's CPU autocast takes float16, and GradScaler("cpu")
-    works): on the CPU, bfloat16 is autocast's own default, and it needs no GradScaler."""
-    if args.amp == "fp16" and not use_cuda:
+    """--amp: -> a function that opens its autocast context (one that does nothing without --amp, or with --amp off).
+    fp16 only with CUDA is this program's choice, not torch's limit (torch's CPU autocast takes float16, and
+    GradScaler("cpu") works): on the CPU, bfloat16 is autocast's own default, and it needs no GradScaler."""
+    amp = native_amp(use_cuda) if args.amp == "auto" else args.amp
+    if amp == "fp16" and not use_cuda:
         fail("--amp fp16 runs on CUDA only in this program; on the CPU use --amp bf16 or no --amp")
-    if args.amp is None:
+    if amp in (None, "off"):
         return contextlib.nullcontext
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.amp]
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[amp]
     return functools.partial(torch.autocast, "cuda" if use_cuda else "cpu", dtype=dtype)
 
 

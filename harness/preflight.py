@@ -75,6 +75,28 @@ def _complete_args(args, start):
             args.output_stride = saved["output_stride"]
     if args.weights:
         args.pretrained_backbone = "none"
+    if args.evaluate:
+        _evaluate_as_the_run_did(args, start.saved, start.path)
+
+
+def _evaluate_as_the_run_did(args, saved, path):
+    """-e evaluates as the run did after each epoch, so that it finds the mIoU the run logged: in the run's precision
+    (main.py's build() takes its --amp) and in its window (--eval-crop, --eval-stride), unless given here. Said in
+    one line: what it takes from the checkpoint, and what a flag given here changes."""
+    window_given = args.eval_crop is not None or args.eval_stride is not None
+    if not window_given and saved.get("eval_crop"):
+        args.eval_crop, args.eval_stride = saved["eval_crop"], saved.get("eval_stride")
+    theirs = saved.get("amp") or "off"
+    ours = checks.native_amp(torch.cuda.is_available()) if args.amp == "auto" else args.amp or theirs
+    window = " ".join(map(str, args.eval_crop)) if args.eval_crop else None
+    taken = ([f"--amp {theirs}"] if args.amp is None and theirs != "off" else []) + \
+        ([f"--eval-crop {window}"] if window and not window_given else [])
+    changed = ([f"--amp {ours} (the run's: {theirs})"] if ours != theirs else []) + \
+        ([f"--eval-crop {window or 'none'}"] if window_given and args.eval_crop != saved.get("eval_crop") else [])
+    if taken:
+        log(f"note: -e evaluates as the run did, with {' and '.join(taken)} from {path}; a flag given wins")
+    if changed:
+        log(f"note: -e evaluates with {' and '.join(changed)}, not as the run did: its mIoU may differ from the run's")
 
 
 def check_data_and_make_outputs(args, train_set, val_set, checkpoint):
@@ -104,8 +126,9 @@ def check_data_and_make_outputs(args, train_set, val_set, checkpoint):
             paths.make_run_outputs(args, start)
             if not args.evaluate:
                 checkpoints.rewrite_run_files_at(args, start, epoch, step)  # a rewind keeps what it drops
-    steps_per_epoch = len(train_set) // job.global_batch(args, world_size)
-    records.open_tensorboard(args, epoch * steps_per_epoch + step + 1)
+    if train_set is not None:  # (-e: no training set, and no TensorBoard)
+        steps_per_epoch = len(train_set) // job.global_batch(args, world_size)
+        records.open_tensorboard(args, epoch * steps_per_epoch + step + 1)
     records.watch_predictions(val_set)  # a prediction that cannot be written costs the predictions, not the epoch
     stops.preflight_ended()
     if job.env().restarts and not args.evaluate:
@@ -114,20 +137,33 @@ def check_data_and_make_outputs(args, train_set, val_set, checkpoint):
 
 
 def check_data(args, crop_size, train_set, val_set, world_size):
-    """The train and val sets, checked the same way on every rank before any training time is spent: every file's
-    header read, every val label decoded (and every mask of your own data); a val set with no labelled pixel
-    refused; classes that no training mask shows, masks that are mostly ignore, and crops larger than every
-    image said; the processes and the global batch against the images."""
+    """The val set (and the train set, but with -e, which opens none), checked the same way on every rank before any
+    training time is spent: every file's header read, every val label decoded (and every mask of your own data); a
+    val set with no labelled pixel refused; classes that no training mask shows, masks that are mostly ignore, and
+    crops larger than every image said; the processes and the global batch against the images."""
     try:
-        train_counts, mostly_ignored = train_set.check_files()
         val_counts, _ = val_set.check_files(decode_labels=True)  # found now, not after the first epoch
     except BadInput as error:
         fail(error)
-    names, data = train_set.classes["names"], named("--data")
+    names, data = val_set.classes["names"], named("--data")
     if not val_counts[:len(names)].any():
         fail(f"the val labels of {data} {args.data} hold no pixel of any class, only ignored ones: mIoU would be "
              "undefined; label the val images (or check ignore_index in classes.json)")
-    if train_counts is not None and not args.evaluate:  # your own data: every mask decoded
+    in_all = " in all (NPROC x NNODES)" if job.env().under_run_sh else ""
+    if world_size > len(val_set):
+        fail(f"{world_size} processes but only {len(val_set)} val images: use at most {len(val_set)} processes{in_all}")
+    if train_set is not None:
+        _check_training_data(args, crop_size, train_set, val_set, world_size)
+
+
+def _check_training_data(args, crop_size, train_set, val_set, world_size):
+    """check_data's part for training: the train set's files; what it lacks or holds twice said; the global batch."""
+    try:
+        train_counts, mostly_ignored = train_set.check_files()
+    except BadInput as error:
+        fail(error)
+    names, data = train_set.classes["names"], named("--data")
+    if train_counts is not None:  # your own data: every mask decoded
         absent = [name for index, name in enumerate(names) if not train_counts[index]]
         if absent:
             ignored = train_counts[IGNORE_INDEX] > 0  # (the masks' ignore_index, mapped to 255)
@@ -139,24 +175,20 @@ def check_data(args, crop_size, train_set, val_set, world_size):
             log(f"warning: {len(mostly_ignored)} of {len(train_set)} training masks are more than half "
                 f"ignore_index {train_set.ignore_value} (e.g. {mostly_ignored[0]}), which the loss skips: if that "
                 "value marks a class (masks saved as 0 and 255), save them with its class index instead")
-    shared = _val_images_in_train(train_set, val_set) if not args.evaluate and job.is_main_process() else []
+    shared = _val_images_in_train(train_set, val_set) if job.is_main_process() else []
     if shared:
         log(f"warning: {len(shared)} of the {len(val_set)} val images of {data} {args.data} are also training images, "
             f"byte for byte (e.g. {shared[0][0]} and {shared[0][1]}): the val mIoU then measures what the model has "
             "seen, not how it does on new images; keep each image in one split")
     largest = train_set.largest  # (height, width), from the headers check_files read
     reach = [side * args.scale_range[1] for side in largest]
-    if not args.evaluate and (crop_size[0] > reach[0] or crop_size[1] > reach[1]):
+    if crop_size[0] > reach[0] or crop_size[1] > reach[1]:
         fits = f"{int(min(crop_size[0], reach[0]))} {int(min(crop_size[1], reach[1]))}"
         scaled = f", scaled up to {args.scale_range[1]:g}x" if args.scale_range[1] != 1 else ""
         log(f"warning: --crop-size {' '.join(map(str, args.crop_size))} is larger than every training image of "
             f"{data} (at most {largest[1]}x{largest[0]}{scaled}): the crops are mostly padding, which the loss "
             f"ignores, and a step costs what the crop does; --crop-size {fits} trains on image alone")
-    in_all = " in all (NPROC x NNODES)" if job.env().under_run_sh else ""
-    if world_size > len(val_set):
-        fail(f"{world_size} processes but only {len(val_set)} val images: use at most {len(val_set)} processes{in_all}")
-    if not args.evaluate:
-        check_global_batch(args, len(train_set), world_size)
+    check_global_batch(args, len(train_set), world_size)
 
 
 def _val_images_in_train(train_set, val_set):

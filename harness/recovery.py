@@ -29,7 +29,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from . import job, paths, records, stops
+from . import checks, job, paths, records, stops
 from .errors import BadInput, Finished, UserError, first_line
 from .job import RUN, get_rank, get_world_size, is_main_process, log
 from models import WeightsError
@@ -250,9 +250,8 @@ def memory_figures():
 
 
 def _less_precise():
-    """The --amp to try: bf16, or fp16 on a GPU without bf16 of its own (T4, V100, RTX 20xx emulate it, slowly)."""
-    native_bf16 = not torch.cuda.is_available() or torch.cuda.is_bf16_supported(including_emulation=False)
-    return "--amp bf16" if native_bf16 else "--amp fp16"
+    """The --amp to try: bf16, or fp16 on a GPU without bf16 of its own (checks.native_amp)."""
+    return f"--amp {checks.native_amp(torch.cuda.is_available())}"
 
 
 def _smaller_batch(batch, accum_steps):
@@ -271,10 +270,12 @@ def out_of_memory(error):
             break
     args = RUN.guard.args
     device, total, peak = memory_figures()
-    precision = getattr(args, "amp", None) or "fp32"
+    amp = getattr(args, "amp", None)
+    precision = checks.native_amp(torch.cuda.is_available()) if amp == "auto" else amp if amp != "off" else None
     crop = getattr(args, "eval_crop", None)
     window = f"in windows of {crop[0]}x{crop[-1]} (--eval-crop)" if crop else "whole, at full resolution"
-    tries = [] if getattr(args, "amp", None) else [_less_precise()]
+    tries = [] if precision else [_less_precise()]
+    precision = precision or "fp32"
     if phase == "a training step":
         height, width = (args.crop_size * 2)[:2]
         settings = f"-b {args.batch_size} per process x --accum-steps {args.accum_steps}, crop {height}x{width}"

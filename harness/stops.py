@@ -184,7 +184,7 @@ def shield_workers(*loaders):
     "DataLoader worker ... exited unexpectedly" (or "... is killed by signal") mid-step instead of saving. So each
     worker leaves such a stop to the process that reads it; its parent's SIGTERM still ends it, as in torch (the
     DataLoader's shutdown, Python's exit)."""
-    for loader in loaders:
+    for loader in filter(None, loaders):  # (-e has no training loader)
         loader.worker_init_fn = functools.partial(_worker_init, os.getpid())
 
 

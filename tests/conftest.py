@@ -412,8 +412,10 @@ def finish_ranks(ranks, timeout=240):
 
 def run_sh_workers_line(data, out, *more):
     """main.py's arguments as run.sh gives them to each of its two workers on the CPU: DATA and OUTPUT_DIR,
-    --resume auto, the recipe's global batch of 16 as -b 8 --accum-steps 1, then the user's (more), which win."""
-    return ["--data", data, "--output-dir", out, "--resume", "auto", "-b", "8", "--accum-steps", "1", *more]
+    --resume auto, the recipe's global batch of 16 as -b 8 --accum-steps 1 --base-batch 16, then the user's (more),
+    which win."""
+    return ["--data", data, "--output-dir", out, "--resume", "auto", "-b", "8", "--accum-steps", "1", "--base-batch",
+            "16", *more]
 
 
 @pytest.fixture(scope="session")

@@ -102,3 +102,42 @@ def test_the_picture_shows_what_the_evaluation_predicted_for_the_first_val_image
     assert len(np.unique(saved)) >= 3  # several classes: the comparison means something
     assert (TRAINID_TO_ID[prediction].numpy() == saved).all()
     assert torch.equal(image, val_set[0][0]) and torch.equal(label, val_set[0][1])
+
+
+@pytest.mark.parametrize("trained_with", [["--amp"], ["--eval-crop", "24"]], ids=["amp", "eval-crop"])
+def test_e_evaluates_as_the_run_did_and_reads_the_val_images_alone(trained_with, tiny_data, tmp_path, capsys):
+    """-e on best.pth finds the mIoU its epoch logged, for a run that evaluated in bf16 (--amp) and for one that
+    evaluated in windows (--eval-crop): it takes those flags from the checkpoint, and says so. It reads the val split
+    alone: a folder without train/ is evaluated, and --check-only (run.sh's check of -e) passes on it. A flag given
+    wins, and is said."""
+    import shutil
+    from conftest import metrics
+    out, val_only = str(tmp_path / "out"), tmp_path / "val_only"
+    run = lambda argv: main.main(main.get_args_parser().parse_args(argv))  # noqa: E731
+    run(["--data", tiny_data, "--output-dir", out, "--epochs", "1", *TRAIN_ARGS, *trained_with])
+    for top in ("leftImg8bit", "gtFine"):
+        shutil.copytree(f"{tiny_data}/{top}/val", val_only / top / "val")
+    evaluate = ["-e", "--resume", f"{out}/best.pth", "--data", str(val_only), "--output-dir", out, "-j", "0"]
+    capsys.readouterr()
+    run([*evaluate, "--check-only", "2"])  # ends after the checks, with exit status 0
+    assert "evaluated" not in capsys.readouterr().out
+    run(evaluate)
+    taken = "--amp bf16" if trained_with == ["--amp"] else "--eval-crop 24"
+    assert f"note: -e evaluates as the run did, with {taken} from {out}/best.pth" in capsys.readouterr().out
+    with open(f"{out}/eval.json") as f:
+        assert json.load(f)["miou"] == metrics(out)[0]["miou"]
+    other = ["--amp", "off"] if trained_with == ["--amp"] else ["--eval-crop", "16"]
+    run([*evaluate, *other])
+    assert f"note: -e evaluates with {' '.join(other)}" in capsys.readouterr().out
+
+
+def test_amp_given_alone_picks_what_the_device_runs_natively(monkeypatch):
+    """--amp alone: bf16 on the CPU and on a GPU that runs it natively, fp16 on one that would emulate it (V100, T4);
+    main.py's choice (the lesson's) and the harness's (predict.py, the out-of-memory advice) agree. A value given
+    stays."""
+    from harness import checks
+    assert main.native_amp("auto", torch.device("cpu")) == "bf16" == checks.native_amp(False)
+    for native, expected in ((True, "bf16"), (False, "fp16")):
+        monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: native)
+        assert main.native_amp("auto", torch.device("cuda", 0)) == expected == checks.native_amp(True)
+    assert [main.native_amp(given, torch.device("cpu")) for given in ("fp16", "off", None)] == ["fp16", "off", None]

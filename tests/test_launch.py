@@ -114,6 +114,21 @@ def test_each_launch_form_trains_and_evaluates(form, tiny_data, tmp_path, capsys
 
 
 @pytest.mark.launch
+def test_run_sh_on_three_processes_scales_the_learning_rate_with_the_global_batch(data24, tmp_path):
+    """run.sh on a number of processes that cannot make the recipe's global batch of 16: 3 take -b 5 each, a global
+    batch of 15, and --lr 0.1 scales linearly to 0.1 x 15/16 (--base-batch 16), said at the start. The one step of
+    the one epoch (24 images) runs at that rate: the poly schedule's first step is its base rate."""
+    out = str(tmp_path / "out")
+    tiny = [arg for arg, after in zip(TRAIN_ARGS, ["", *TRAIN_ARGS]) if "-b" not in (arg, after)]  # run.sh's -b
+    log = run(["./run.sh", "--epochs", "1", *tiny], env={"NPROC": "3", "DATA": data24, "OUTPUT_DIR": out})
+    assert "global batch 15 (-b 5 x 3 process(es) x --accum-steps 1)" in log, log
+    assert "note: global batch 15, not --base-batch 16: the learning rate is scaled with it, --lr 0.1 x 15/16 = " \
+        "0.09375" in log, log
+    [record] = metrics(out)
+    assert record["world_size"] == 3 and record["lr"] == pytest.approx(0.1 * 15 / 16, rel=1e-12), record
+
+
+@pytest.mark.launch
 def test_run_sh_resumes_by_itself_bitwise_where_a_run_left_off_and_evaluates_its_checkpoint(data24, straight,
                                                                                              tmp_path, monkeypatch):
     """run.sh's launch is the point. A job of --epochs 2 that ended after epoch 0 leaves what the straight run
