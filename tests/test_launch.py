@@ -282,10 +282,13 @@ def test_run_sh_starts_the_python_PYTHON_names_and_says_in_python_s_words_why_it
 
 
 @pytest.mark.launch
-@pytest.mark.parametrize("gpus, per_gpu, accum_steps", [(1, 8, 2), (2, 8, 1), (4, 4, 1), (8, 2, 1)])
+@pytest.mark.parametrize("gpus, per_gpu, accum_steps", [(1, 8, 2), (2, 8, 1), (3, 5, 1), (4, 4, 1), (5, 3, 1),
+                                                        (6, 3, 1), (7, 2, 1), (8, 2, 1)])
 def test_run_sh_keeps_the_recipes_global_batch_on_1_to_8_gpus(gpus, per_gpu, accum_steps, tiny_data, tmp_path):
     """run.sh as a machine with that many GPUs runs it, a stand-in for Python recording what run.sh starts: one
-    process per GPU, at most the two-GPU layout's 8 images a forward, and the global batch of 16."""
+    process per GPU, at most the two-GPU layout's 8 images a forward, and the global batch of 16 where the GPUs can
+    share it; elsewhere the -b nearest 16 / GPUs, and always --base-batch 16, which scales --lr with the global batch
+    (main.py; test_run_sh_on_three_processes_scales_the_learning_rate_with_the_global_batch)."""
     log, fake = tmp_path / "started", tmp_path / "python"
     fake.write_text('#!/bin/bash\nif [ "$1" = -c ]; then echo "$FAKE_GPUS"; else echo "$*" >> "$FAKE_LOG"; fi\n')
     fake.chmod(0o755)
@@ -296,7 +299,8 @@ def test_run_sh_keeps_the_recipes_global_batch_on_1_to_8_gpus(gpus, per_gpu, acc
     assert result.returncode == 0, result.stdout + result.stderr
     check, launch = log.read_text().splitlines()
     assert f"--check-only {gpus}" in check and f"--nproc_per_node {gpus} " in launch, (check, launch)
-    assert f"-b {per_gpu} --accum-steps {accum_steps}" in launch and per_gpu * gpus * accum_steps == 16, launch
+    assert f"-b {per_gpu} --accum-steps {accum_steps} --base-batch 16" in launch, launch
+    assert per_gpu * gpus * accum_steps == 16 or 16 % gpus, launch
 
 
 @pytest.mark.launch
