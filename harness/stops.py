@@ -201,8 +201,10 @@ def _worker_init(parent, worker_id):
 
 
 def _batch_not_handed_over(error, batch):
-    """In a DataLoader worker, where a batch put on its queue fails: its tensors are moved into shared memory by
-    the queue's feeder thread, and with /dev/shm full that raises there (torch's "unable to allocate shared memory").
+    """In a DataLoader worker, where a batch put on its queue fails. A batch not yet in shared memory (predict.py's:
+    batch_size=None, no collate) has its tensors moved there by the queue's feeder thread, and with /dev/shm full
+    that raises there (torch's "unable to allocate shared memory"). (main.py's batches are collated into shared
+    memory in the worker's own thread: a full /dev/shm raises there, an error torch hands to the parent.)
     multiprocessing's own hook prints a traceback and drops the batch, and the parent waits for it forever (seen:
     predict.py with a 1 MB /dev/shm). The worker ends instead, by SIGBUS (as a full /dev/shm ends a worker that
     writes into it), and torch's parent raises "DataLoader worker (pid N) is killed by signal: Bus error", or
