@@ -12,8 +12,8 @@ import torch
 from PIL import Image
 
 from harness import checkpoints
-from conftest import (ROOT, TRAIN_ARGS, fingerprint, finish_ranks, fork_main, free_port, no_shared_memory_in_workers,
-                      no_space, run, varied_model)
+from conftest import (ROOT, TRAIN_ARGS, built_once, fingerprint, finish_ranks, fork_main, fork_ranks, free_port,
+                      no_shared_memory_in_workers, no_space, run, varied_model)
 from dataset import CLASS_COLORS, TRAINID_TO_ID
 import predict
 
@@ -146,17 +146,32 @@ def test_a_full_disk_ends_in_one_line(checkpoint, tmp_path, monkeypatch, capsys)
                                   "on device; ") + r"\d+ MiB free there when it failed\): free space there", line), line
 
 
-@pytest.mark.long
-def test_onnx_export_computes_what_pytorch_computes(checkpoint, tmp_path):
-    """The export runs in a forked copy of this process. Seen with torch 2.14: after torch.export in a process that had
+@pytest.fixture(scope="module")
+def exported(tiny_data, tmp_path_factory):
+    """A folder: run/best.pth, as main.py writes it on two processes (one epoch on tiny_data); best.pth, the same with
+    varied_model's weights (which predict many classes); model.onnx, predict.py's export of best.pth. Built once for
+    the whole run, by the first worker to ask: the export takes 20-50 s.
+
+    The export runs in a forked copy of this process. Seen with torch 2.14: after torch.export in a process that had
     run no backward yet, its first backward starts autograd's device threads, and each process forked from it
     afterwards fails its first backward ("Unable to handle autograd's threading in combination with fork-based
     multiprocessing"). In pytest's own process, that failed every later test that forks ranks."""
-    path = str(tmp_path / "model.onnx")
-    exporter = fork_main(["--resume", checkpoint, "--export", path], str(tmp_path / "export.log"), program="predict")
-    assert finish_ranks([exporter])[0].startswith(f"wrote {path}"), exporter
-    session = onnxruntime.InferenceSession(path, providers=["CPUExecutionProvider"])
-    model = checkpoints.load_for_inference(checkpoint)[0]
+    def build(folder):
+        run_dir, best, path = (os.path.join(folder, name) for name in ("run", "best.pth", "model.onnx"))
+        finish_ranks(fork_ranks(["--data", tiny_data, "--output-dir", run_dir, "--epochs", "1", *TRAIN_ARGS],
+                                os.path.join(folder, "logs")))
+        saved = torch.load(os.path.join(run_dir, "best.pth"), map_location="cpu", weights_only=True)
+        torch.save({**saved, "model": varied_model().state_dict()}, best)
+        exporter = fork_main(["--resume", best, "--export", path], os.path.join(folder, "export.log"),
+                             program="predict")
+        assert finish_ranks([exporter])[0].startswith(f"wrote {path}"), exporter
+    return built_once(tmp_path_factory, "exported", build)
+
+
+@pytest.mark.long
+def test_onnx_export_computes_what_pytorch_computes(exported):
+    session = onnxruntime.InferenceSession(os.path.join(exported, "model.onnx"), providers=["CPUExecutionProvider"])
+    model = checkpoints.load_for_inference(os.path.join(exported, "best.pth"))[0]
     for shape in ((1, 3, 64, 128), (3, 3, 75, 101)):  # batch, height and width other than the example's
         images = torch.randn(shape)
         with torch.no_grad():
@@ -165,6 +180,69 @@ def test_onnx_export_computes_what_pytorch_computes(checkpoint, tmp_path):
         assert logits.shape == (shape[0], 19, *shape[2:]) and logits.dtype == np.float32
         assert np.abs(logits - expected).max() < 1e-3
         assert (logits.argmax(1) == expected.argmax(1)).mean() > 0.999
+
+
+def python_lines(heading):
+    """The ```python block under the heading `## heading` of docs/predict.md, as a user copies it."""
+    with open(os.path.join(ROOT, "docs", "predict.md"), encoding="utf-8") as f:
+        section = f.read().split(f"\n## {heading}\n", 1)[1].split("\n## ", 1)[0]
+    [block] = re.findall(r"```python\n(.*?)```", section, re.S)
+    return block
+
+
+def test_load_best_pth_in_your_own_code_as_predict_md_says(exported, tmp_path, monkeypatch):
+    """predict.md's lines, as written, in a folder laid out as the project's (output/demo/best.pth): on the best.pth of
+    a run on two processes (DDP), whose keys have no "module." prefix. They build predict.py's model, in eval mode."""
+    trained = os.path.join(exported, "run", "best.pth")
+    os.makedirs(tmp_path / "output" / "demo")
+    os.symlink(trained, tmp_path / "output" / "demo" / "best.pth")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the lines put "." first on it
+    names = {}
+    exec(python_lines("Load best.pth in your own code"), names)
+    saved = torch.load(trained, map_location="cpu", weights_only=True)
+    assert saved["world_size"] == 2 and not any(key.startswith("module.") for key in saved["model"])
+    model, reference = names["model"], checkpoints.load_for_inference(trained)[0]
+    assert not model.training and type(model) is type(reference)
+    images = torch.randn(2, 3, 40, 72)
+    with torch.no_grad():
+        assert torch.equal(model(images), reference(images))
+
+
+@pytest.mark.launch
+def test_predict_md_s_onnx_lines_run_outside_the_project(exported, tmp_path):
+    """predict.md's ONNX lines, each in a fresh python in a folder outside the project. On another machine: model.onnx
+    and a phone photo alone, without torch, write predict.py's trainIds prediction of the photo. The check, after
+    the lines that load best.pth (the project's folder put in their line 2), finds the export computes PyTorch's
+    logits."""
+    assert not str(tmp_path).startswith(ROOT)
+    os.symlink(os.path.join(exported, "model.onnx"), tmp_path / "model.onnx")
+    rng = np.random.default_rng(1)
+    exif = Image.Exif()
+    exif[0x0112] = 6  # orientation: seen turned, 60 wide and 100 high
+    Image.fromarray(rng.integers(0, 255, (60, 100, 3), dtype=np.uint8)).save(tmp_path / "street.jpg", exif=exif,
+                                                                             quality=95)
+    other_machine = "import sys\nsys.modules['torch'] = None  # none there: import torch fails\n"
+    (tmp_path / "other_machine.py").write_text(other_machine + python_lines("Predict on another machine"))
+    run([PY, "other_machine.py"], cwd=str(tmp_path), env={"PYTHONPATH": ""})
+    written = np.asarray(Image.open(tmp_path / "street.png"))
+    predict.main(predict.get_args_parser().parse_args([
+        "--resume", os.path.join(exported, "best.pth"), str(tmp_path / "street.jpg"), "--output-dir",
+        str(tmp_path / "out"), "--what", "label", "-j", "0"]))
+    expected = np.asarray(Image.open(tmp_path / "out" / "trainIds" / "street.jpg.png"))
+    assert written.shape == expected.shape == (100, 60) and written.dtype == np.uint8
+    assert (written == expected).mean() > 0.999 and len(np.unique(expected)) >= 5
+    # The check: the loading lines with the project's folder in their line 2, then its own.
+    loading = python_lines("Load best.pth in your own code").splitlines(keepends=True)
+    assert loading[1].startswith('sys.path.insert(0, ".")'), loading[1]
+    loading[1] = f"sys.path.insert(0, {ROOT!r})\n"
+    os.makedirs(tmp_path / "output" / "demo")
+    os.symlink(os.path.join(exported, "best.pth"), tmp_path / "output" / "demo" / "best.pth")
+    (tmp_path / "check.py").write_text("".join(loading) + python_lines("Check your ONNX file against PyTorch"))
+    said = run([PY, "check.py"], cwd=str(tmp_path), env={"PYTHONPATH": ""})
+    difference = float(re.search(r"^largest difference: (\S+)$", said, re.M).group(1))
+    same = float(re.search(r"^same class: (\S+)$", said, re.M).group(1))
+    assert difference < 1e-3 and same > 0.999, said
 
 
 def test_a_gif_in_a_folder_is_skipped_and_said_and_read_when_named_by_itself(tmp_path, capsys):
