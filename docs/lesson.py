@@ -424,7 +424,7 @@ def checkpoint_state(model, optimizer, scaler, args, classes, epoch, step, best_
 def save_checkpoint(state, path):
     """Into a temporary file, flushed to the disk, then renamed over the old one: a crash mid-write leaves the old
     checkpoint whole. Rank 0 alone calls it: several ranks writing one file corrupt it."""
-    # A new name each save (the process id alone is 1 in every run of a container). Mode "x" creates the file, or
+    # A new name each save (a container's first process has id 1 in every run). Mode "x" creates the file, or
     # fails where anything has that name: never a write through a symbolic link someone left there.
     temporary = f"{path}.{os.getpid()}-{time.time_ns()}.tmp"
     f = open(temporary, "xb")
