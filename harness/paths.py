@@ -96,7 +96,7 @@ def marked(path):
 
 def temporary_name(path):
     """A name beside path for its next version while it is written, which neither another write nor the leftover
-    of a killed one holds: the process's id alone would be the same in every run of a container (always 1)."""
+    of a killed one holds: the process's id alone repeats (a container's first process has id 1 in every run)."""
     return f"{path}.{os.getpid()}-{secrets.token_hex(4)}.tmp"
 
 
