@@ -1,10 +1,12 @@
-"""The trained model on any images: colour masks, overlays and label maps; or the model exported to ONNX.
+"""The trained model on any images: colour masks, overlays and label maps; or the model exported (ONNX, or a
+torch.export program that torch alone loads).
 
     python predict.py --resume output/best.pth photos/ --output-dir predictions/
     python predict.py --resume output/best.pth 'frames/**/*.jpg' --eval-scales 0.75 1.0 1.25 --eval-flip
     torchrun --standalone --nproc_per_node=2 predict.py --resume output/best.pth data/cityscapes/leftImg8bit/test \
         --format labelid --what label          # each rank predicts every second image
     python predict.py --resume output/best.pth --export model.onnx
+    python predict.py --resume output/best.pth --export model.pt2   # torch.export.load("model.pt2").module()
 
 INPUT: image files, folders (searched recursively; the output folder is left out) or glob patterns; JPEG,
 PNG, WebP, BMP, TIFF in any mode and size, turned as their EXIF orientation says (as a viewer shows them).
@@ -30,6 +32,7 @@ import importlib.util
 import os
 import sys
 import time
+import zipfile
 from datetime import timedelta
 
 import torch
@@ -75,8 +78,9 @@ def get_args_parser():
     parser.add_argument("--dist-timeout", type=float, default=5.0, metavar="MINUTES",
                         help="under torchrun: a rank that waits longer than this for the others ends (default: "
                         "%(default)s)")
-    parser.add_argument("--export", default=None, metavar="FILE.onnx",
-                        help="write the model as ONNX (dynamic batch, height, width) instead of predicting")
+    parser.add_argument("--export", default=None, metavar="FILE.onnx|FILE.pt2",
+                        help="write the model instead of predicting (dynamic batch, height, width): FILE.pt2 as a "
+                        "torch.export program, which torch alone loads; any other name as ONNX")
     inference.add_arguments(parser)
     return parser
 
@@ -165,7 +169,13 @@ def write_outputs(prediction, image, outputs, palette, args):
 
 
 def is_export(path):
-    """Whether the file at path is an earlier --export: an ONNX model with this project's input and output."""
+    """Whether the file at path is an earlier --export, judged by its bytes: a torch.export archive (a zip file that
+    says it is one), or an ONNX model with this project's input and output."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            return any(name.endswith("/archive_format") and archive.read(name) == b"pt2" for name in archive.namelist())
+    except (OSError, zipfile.BadZipFile):  # not a zip file: ONNX, or something else
+        pass
     try:
         import onnx
         graph = onnx.load(path, load_external_data=False).graph
@@ -174,18 +184,31 @@ def is_export(path):
         return False
 
 
-def export_onnx(model, path, replacing=False):
-    """ONNX: input "images", float32 (N, 3, H, W) normalised as in training (ImageNet mean and std); output
-    "logits", float32 (N, classes, H, W). Batch, height and width dynamic. Needs onnx and onnxscript
-    (requirements-test.txt), which training does not."""
+def export_model(model, path, replacing=False):
+    """The plain model: input "images", float32 (N, 3, H, W) normalised as in training (ImageNet mean and std);
+    output "logits", float32 (N, classes, H, W); batch, height and width dynamic. FILE.pt2: a torch.export program
+    (torch.export.load(FILE).module() runs it, with torch alone). Any other name: ONNX, which needs onnx and
+    onnxscript (requirements-test.txt), not training. Written whole under a new name, then renamed: an export that fails (a
+    full disk, a kill) leaves an earlier one as it was."""
     dynamic = torch.export.Dim.DYNAMIC
+    shapes = {"images": {0: dynamic, 2: dynamic, 3: dynamic}}
     example = torch.randn(2, 3, 96, 160)  # batch 2, not 1: an example of size 1 would be fixed as a constant
+    if path.endswith(".pt2"):
+        program = torch.export.export(model, (example,), dynamic_shapes=shapes)
+        data = lambda f: torch.export.save(program, f)  # noqa: E731
+    else:
+        try:
+            program = torch.onnx.export(model, (example,), input_names=["images"], output_names=["logits"],
+                                        dynamic_shapes=shapes, dynamo=True, external_data=False, verbose=False)
+        except ImportError as error:
+            fail(f"--export needs onnx and onnxscript ({error}): pip install -r requirements-test.txt")
+        data = program.model_proto.SerializeToString()
     try:
-        torch.onnx.export(model, (example,), path, input_names=["images"], output_names=["logits"],
-                          dynamic_shapes={"images": {0: dynamic, 2: dynamic, 3: dynamic}}, dynamo=True,
-                          external_data=False, verbose=False)
-    except ImportError as error:
-        fail(f"--export needs onnx and onnxscript ({error}): pip install -r requirements-test.txt")
+        paths.write_atomically(path, data)
+    except (OSError, RuntimeError) as error:  # torch's writers report a failed write as a RuntimeError too
+        as_it_was = "the earlier export there is as it was" if replacing else "nothing was written"
+        fail(f"cannot write --export {path} ({paths.why_not_written(error)}): {as_it_was}; "
+             f"{paths.what_to_do(error, path)}")
     print(f"wrote {path}: images float32 (N, 3, H, W), ImageNet-normalised -> logits float32 (N, classes, H, W)"
           + (" (the earlier export there is replaced)" if replacing else ""))
 
@@ -292,19 +315,19 @@ def report_progress(done, unreadable, total, start):
 
 
 def export(args, mode):
-    """--export: the plain model written as ONNX, once nothing stands in its way (no INPUT, no --eval-*, onnx
-    installed, a file that is no input and no other file)."""
+    """--export: the plain model written as ONNX or torch.export's .pt2, once nothing stands in its way (no INPUT,
+    no --eval-*, onnx installed for ONNX, a file that is no input and no other file)."""
     if args.inputs or mode:
         fail("--export writes the plain model and exits: give it no INPUT and no --eval-* flag")
     missing = [name for name in ("onnx", "onnxscript") if importlib.util.find_spec(name) is None]
-    if missing:  # found before the model is loaded, not after
+    if missing and not args.export.endswith(".pt2"):  # found before the model is loaded, not after
         fail(f"--export needs {' and '.join(missing)}, which training does not: pip install -r "
              "requirements-test.txt")
     paths.check_file_and_make_folder("--export", args.export, reads=[("--resume", args.resume)],
                                      replaceable=is_export)
     replacing = os.path.exists(args.export)
     model, _ = checkpoints.load_for_inference(args.resume)
-    export_onnx(model, args.export, replacing)
+    export_model(model, args.export, replacing)
 
 
 @recovery.guarded("predict.py")  # a mistake ends in one line, said once (harness/recovery.py)
@@ -315,7 +338,7 @@ def main(args):
         export(args, mode)
         return
     if not args.inputs:
-        fail("no INPUT: name image files, folders or glob patterns (or --export FILE.onnx)")
+        fail("no INPUT: name image files, folders or glob patterns (or --export FILE.onnx or FILE.pt2)")
     autocast = checks.autocast(args, torch.cuda.is_available())
     model, classes = checkpoints.load_for_inference(args.resume)
     cityscapes = list(classes["names"]) == list(CLASS_NAMES)

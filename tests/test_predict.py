@@ -13,7 +13,7 @@ from PIL import Image
 
 from harness import checkpoints
 from conftest import (ROOT, TRAIN_ARGS, built_once, fingerprint, finish_ranks, fork_main, fork_ranks, free_port,
-                      no_shared_memory_in_workers, no_space, run, varied_model)
+                      no_shared_memory_in_workers, no_space, one_error_line, run, varied_model)
 from dataset import CLASS_COLORS, TRAINID_TO_ID
 import predict
 
@@ -149,8 +149,8 @@ def test_a_full_disk_ends_in_one_line(checkpoint, tmp_path, monkeypatch, capsys)
 @pytest.fixture(scope="module")
 def exported(tiny_data, tmp_path_factory):
     """A folder: run/best.pth, as main.py writes it on two processes (one epoch on tiny_data); best.pth, the same with
-    varied_model's weights (which predict many classes); model.onnx, predict.py's export of best.pth. Built once for
-    the whole run, by the first worker to ask: the export takes 20-50 s.
+    varied_model's weights (which predict many classes); model.onnx and model.pt2, predict.py's exports of best.pth.
+    Built once for the whole run, by the first worker to ask: the exports take 20-50 s.
 
     The export runs in a forked copy of this process. Seen with torch 2.14: after torch.export in a process that had
     run no backward yet, its first backward starts autograd's device threads, and each process forked from it
@@ -162,9 +162,9 @@ def exported(tiny_data, tmp_path_factory):
                                 os.path.join(folder, "logs")))
         saved = torch.load(os.path.join(run_dir, "best.pth"), map_location="cpu", weights_only=True)
         torch.save({**saved, "model": varied_model().state_dict()}, best)
-        exporter = fork_main(["--resume", best, "--export", path], os.path.join(folder, "export.log"),
-                             program="predict")
-        assert finish_ranks([exporter])[0].startswith(f"wrote {path}"), exporter
+        for path in (path, os.path.join(folder, "model.pt2")):
+            exporter = fork_main(["--resume", best, "--export", path], f"{path}.log", program="predict")
+            assert finish_ranks([exporter])[0].startswith(f"wrote {path}"), exporter
     return built_once(tmp_path_factory, "exported", build)
 
 
@@ -180,6 +180,56 @@ def test_onnx_export_computes_what_pytorch_computes(exported):
         assert logits.shape == (shape[0], 19, *shape[2:]) and logits.dtype == np.float32
         assert np.abs(logits - expected).max() < 1e-3
         assert (logits.argmax(1) == expected.argmax(1)).mean() > 0.999
+
+
+@pytest.mark.launch
+def test_pt2_export_runs_on_torch_alone_outside_the_project(exported, tmp_path):
+    """model.pt2, in a fresh python in a folder outside the project (nothing of it importable), loads with
+    torch.export.load and computes the checkpoint's logits at sizes other than the export's example. predict.py
+    knows it again by its bytes, as an earlier export it may replace."""
+    assert not str(tmp_path).startswith(ROOT)
+    images = torch.randn(3, 3, 75, 101)
+    torch.save(images, tmp_path / "images.pt")
+    (tmp_path / "load.py").write_text(
+        "import sys, torch\n"
+        "assert all(name not in sys.modules for name in ('models', 'harness'))\n"
+        f"model = torch.export.load({os.path.join(exported, 'model.pt2')!r}).module()\n"
+        "with torch.no_grad():\n"
+        "    torch.save(model(torch.load('images.pt')), 'logits.pt')\n")
+    run([PY, "-c", "import runpy; runpy.run_path('load.py')"], cwd=str(tmp_path), env={"PYTHONPATH": ""})
+    model = checkpoints.load_for_inference(os.path.join(exported, "best.pth"))[0]
+    with torch.no_grad():
+        expected = model(images)
+    logits = torch.load(tmp_path / "logits.pt")
+    assert logits.shape == (3, 19, 75, 101) and (logits - expected).abs().max() < 1e-4
+    assert predict.is_export(os.path.join(exported, "model.pt2")) and predict.is_export(
+        os.path.join(exported, "model.onnx"))
+    import zipfile
+    with zipfile.ZipFile(tmp_path / "other.pt2", "w") as other:
+        other.writestr("model/notes.txt", "a zip file, not an export")
+    assert not predict.is_export(str(tmp_path / "other.pt2"))
+
+
+def test_an_export_that_fails_leaves_the_earlier_one_as_it_was(trained, tmp_path, monkeypatch, capsys):
+    """A full disk while model.pt2 is written again: one line, the earlier export's bytes as they were, and no
+    temporary file left. (torch.export itself is stood in for: run in this process it would break later forks.)"""
+    earlier = tmp_path / "model.pt2"
+    import zipfile
+    with zipfile.ZipFile(earlier, "w") as archive:  # what predict.py takes for an earlier export (is_export)
+        archive.writestr("model/archive_format", "pt2")
+    before = fingerprint(str(tmp_path))
+
+    def save_half(program, f):
+        f.write(b"PK\x03\x04 half an archive")
+        raise OSError(28, os.strerror(28))
+    monkeypatch.setattr(torch.export, "export", lambda *args, **kwargs: "a program")
+    monkeypatch.setattr(torch.export, "save", save_half)
+    with pytest.raises(SystemExit):
+        predict.main(predict.get_args_parser().parse_args(["--resume", os.path.join(trained, "best.pth"),
+                                                            "--export", str(earlier)]))
+    line = one_error_line(capsys, "predict.py: error: ")
+    assert "no space left on device" in line, line
+    assert fingerprint(str(tmp_path)) == before
 
 
 def python_lines(heading):
