@@ -229,14 +229,20 @@ def normalize(images):
     return (images.float() * (1 / 255) - mean) / std  # (torchvision.transforms.v2's arithmetic: its floats)
 
 
-def native_amp(amp, device):
-    """--amp given alone ("auto") -> "bf16" where the device runs bfloat16 natively (the CPU; NVIDIA GPUs of compute
-    capability 8.0 and later: A100, RTX 30xx and on), else "fp16" (V100, T4, RTX 20xx emulate bfloat16, slowly).
-    Any other value as it is."""
+def native_bf16(device):
+    """Whether the device runs bfloat16 natively: the CPU; NVIDIA GPUs of compute capability 8.0 and later (A100,
+    RTX 30xx and on). V100, T4 and RTX 20xx emulate it, slowly: their mixed precision is float16."""
+    return device.type != "cuda" or torch.cuda.is_bf16_supported(including_emulation=False)
+
+
+def amp_of_the_job(amp, device):
+    """--amp as given; given alone ("auto"): "bf16" where every rank's device runs it natively, else "fp16" on every
+    rank. One choice for the job: a rank in float16 scales its loss (and skips a step on an overflow) while one in
+    bfloat16 does not, and DDP would average their gradients. A collective for "auto": every rank calls it."""
     if amp != "auto":
         return amp
-    native_bf16 = device.type != "cuda" or torch.cuda.is_bf16_supported(including_emulation=False)
-    return "bf16" if native_bf16 else "fp16"
+    native = all_reduce(torch.tensor(int(native_bf16(device)), device=device), dist.ReduceOp.MIN)
+    return "bf16" if native.item() else "fp16"
 
 
 def autocast(args, device):
@@ -264,8 +270,9 @@ def seed_step(seed, epoch, step, place):
 def adjust_learning_rate(optimizer, base_lr, step, total_steps):
     """Poly decay, lr = base_lr * (1 - step / total_steps) ** 0.9, set before every step (times each
     group's lr_mult). Computed from the position in training, so a resumed run, even with another number
-    of processes, continues it; with a larger --epochs (total_steps), it continues a longer schedule, whose
-    rate at this step is higher. Returns the head's rate."""
+    of processes, continues it (from base_lr, which --base-batch scales with the global batch); with a larger
+    --epochs (total_steps), it continues a longer schedule, whose rate at this step is higher. Returns the head's
+    rate."""
     lr = base_lr * (1 - min(step, total_steps - 1) / total_steps) ** 0.9
     for group in optimizer.param_groups:
         group["lr"] = lr * group.get("lr_mult", 1.0)
@@ -510,7 +517,6 @@ def main(args):
     if use_cuda:
         torch.cuda.set_device(local_rank)
     device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
-    args.amp = native_amp(args.amp, device)  # --amp alone: bf16 or fp16, what this GPU runs natively
 
     # Step 2: the process group. The tutorial hard-codes nccl, which needs GPUs; gloo runs on the CPU. The
     # launchers set RANK and WORLD_SIZE; without them this is one plain process, which needs no group. (Under a
@@ -522,6 +528,7 @@ def main(args):
         dist.init_process_group(backend=args.dist_backend or ("nccl" if use_cuda else "gloo"),
                                 timeout=timedelta(minutes=args.dist_timeout))
         stops.process_group_formed()  # harness: from here a stop saves first (during init_process_group, one ends it)
+    args.amp = amp_of_the_job(args.amp, device)  # --amp alone: bf16 where every GPU runs it natively, else fp16
     log(f"{get_world_size()} process(es), backend {dist.get_backend() if distributed else 'none'}, device "
         f"{device.type}, global batch {global_batch(args)} (-b {args.batch_size} x {get_world_size()} process(es) "
         f"x --accum-steps {args.accum_steps})")

@@ -193,7 +193,7 @@ def export_model(model, path, replacing=False):
     dynamic = torch.export.Dim.DYNAMIC
     shapes = {"images": {0: dynamic, 2: dynamic, 3: dynamic}}
     example = torch.randn(2, 3, 96, 160)  # batch 2, not 1: an example of size 1 would be fixed as a constant
-    if path.endswith(".pt2"):
+    if path.lower().endswith(".pt2"):
         program = torch.export.export(model, (example,), dynamic_shapes=shapes)
         data = lambda f: torch.export.save(program, f)  # noqa: E731
     else:
@@ -320,7 +320,7 @@ def export(args, mode):
     if args.inputs or mode:
         fail("--export writes the plain model and exits: give it no INPUT and no --eval-* flag")
     missing = [name for name in ("onnx", "onnxscript") if importlib.util.find_spec(name) is None]
-    if missing and not args.export.endswith(".pt2"):  # found before the model is loaded, not after
+    if missing and not args.export.lower().endswith(".pt2"):  # found before the model is loaded, not after
         fail(f"--export needs {' and '.join(missing)}, which training does not: pip install -r "
              "requirements-test.txt")
     paths.check_file_and_make_folder("--export", args.export, reads=[("--resume", args.resume)],

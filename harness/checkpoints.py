@@ -574,11 +574,22 @@ def _continued(checkpoint, args, images):
     best = checkpoint["best_miou"]
     log(f"resuming from {path} at {where} (epochs counted from 0), best mIoU "
         + (f"{best:.4f}" if math.isfinite(best) else "none yet"))
+    then, now = _base_lr(saved, math.prod(before)), _base_lr(vars(args), job.global_batch(args))
+    if isinstance(then, (int, float)) and not math.isclose(then, now):  # --lr, or --base-batch's scaling, changed
+        log(f"note: the learning rate's base is {now:g} now, {then:g} before (--lr {args.lr:g}"
+            + (f" x {job.global_batch(args)}/{args.base_batch}" if args.base_batch else "") + "): the poly schedule "
+            "goes on from this one")
     if saved.get("epochs") and saved["epochs"] != args.epochs:  # the schedule's length changes: its learning rate jumps
         log(f"note: the run was scheduled over --epochs {saved['epochs']}, this one over {args.epochs}: the poly "
             f"learning rate goes on at the same step of the {args.epochs}-epoch schedule, "
             f"{'higher' if args.epochs > saved['epochs'] else 'lower'} than where the run stopped")
     return checkpoint
+
+
+def _base_lr(flags, global_batch):
+    """main.py's scaled_lr from a run's flags: --lr, scaled by global batch / --base-batch where it is given."""
+    lr, base = flags.get("lr"), flags.get("base_batch")
+    return lr * global_batch / base if isinstance(lr, (int, float)) and base else lr
 
 
 def ranks_compare_start(epoch, step):

@@ -74,8 +74,9 @@ def check_numbers(args, ranges):
 
 
 def native_amp(use_cuda):
-    """What --amp given alone means here: bf16 where it runs natively (the CPU; NVIDIA compute capability 8.0 and
-    later), else fp16 (V100, T4 and RTX 20xx emulate bfloat16, slowly). main.py's native_amp, for the harness."""
+    """What --amp given alone means for this process: bf16 where it runs natively (the CPU; NVIDIA compute
+    capability 8.0 and later), else fp16 (V100, T4 and RTX 20xx emulate bfloat16, slowly). main.py's native_bf16,
+    for the harness (predict.py, whose ranks share no gradients; the out-of-memory advice)."""
     native_bf16 = not use_cuda or torch.cuda.is_bf16_supported(including_emulation=False)
     return "bf16" if native_bf16 else "fp16"
 

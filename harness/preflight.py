@@ -13,6 +13,7 @@ files to go on from the checkpoint, TensorBoard's writer opens, and from then on
 """
 import hashlib
 import os
+from types import SimpleNamespace
 
 import torch
 
@@ -81,22 +82,29 @@ def _complete_args(args, start):
 
 def _evaluate_as_the_run_did(args, saved, path):
     """-e evaluates as the run did after each epoch, so that it finds the mIoU the run logged: in the run's precision
-    (main.py's build() takes its --amp) and in its window (--eval-crop, --eval-stride), unless given here. Said in
-    one line: what it takes from the checkpoint, and what a flag given here changes."""
-    window_given = args.eval_crop is not None or args.eval_stride is not None
-    if not window_given and saved.get("eval_crop"):
-        args.eval_crop, args.eval_stride = saved["eval_crop"], saved.get("eval_stride")
+    (main.py's build() takes its --amp; fp16, which runs on CUDA alone here, is bf16 on the CPU) and in its window
+    (--eval-crop, --eval-stride), unless given here. One line says what it takes from the checkpoint, or how it
+    evaluates otherwise than the run did."""
+    def mode_of(crop, stride, scales=None, flip=False):
+        return inference.read_mode(SimpleNamespace(eval_crop=crop, eval_stride=stride, eval_scales=scales,
+                                                   eval_flip=flip))
+    run_mode = mode_of(saved.get("eval_crop"), saved.get("eval_stride"))
+    if args.eval_crop is None and args.eval_stride is None:
+        args.eval_crop, args.eval_stride = saved.get("eval_crop"), saved.get("eval_stride")
+    elif args.eval_stride is None and run_mode and mode_of(args.eval_crop, None).crop == run_mode.crop:
+        args.eval_stride = saved.get("eval_stride")  # the run's window, written another way: its stride too
     theirs = saved.get("amp") or "off"
+    if args.amp is None and theirs == "fp16" and not torch.cuda.is_available():
+        args.amp = "bf16"  # (checks.autocast: fp16 on CUDA alone)
     ours = checks.native_amp(torch.cuda.is_available()) if args.amp == "auto" else args.amp or theirs
-    window = " ".join(map(str, args.eval_crop)) if args.eval_crop else None
-    taken = ([f"--amp {theirs}"] if args.amp is None and theirs != "off" else []) + \
-        ([f"--eval-crop {window}"] if window and not window_given else [])
-    changed = ([f"--amp {ours} (the run's: {theirs})"] if ours != theirs else []) + \
-        ([f"--eval-crop {window or 'none'}"] if window_given and args.eval_crop != saved.get("eval_crop") else [])
-    if taken:
-        log(f"note: -e evaluates as the run did, with {' and '.join(taken)} from {path}; a flag given wins")
-    if changed:
-        log(f"note: -e evaluates with {' and '.join(changed)}, not as the run did: its mIoU may differ from the run's")
+    mode = mode_of(args.eval_crop, args.eval_stride, args.eval_scales, args.eval_flip)
+    differs = ([f"--amp {ours} (the run's: {theirs})"] if ours != theirs else []) + \
+        ([f"{inference.describe(mode)} (the run's: {inference.describe(run_mode)})"] if mode != run_mode else [])
+    kept = ([f"--amp {theirs}"] if theirs != "off" else []) + ([inference.describe(run_mode)] if run_mode else [])
+    if differs:
+        log(f"note: -e evaluates with {' and '.join(differs)}: its mIoU may differ from the one the run logged")
+    elif kept:
+        log(f"note: -e evaluates as the run did ({', '.join(kept)}, from {path}); a flag given wins")
 
 
 def check_data_and_make_outputs(args, train_set, val_set, checkpoint):

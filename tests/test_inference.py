@@ -1,6 +1,7 @@
 """harness/inference.py: multi-scale, flip and sliding window give the plain evaluation back where they should."""
 import argparse
 import json
+import os
 import sys
 
 import pytest
@@ -122,22 +123,66 @@ def test_e_evaluates_as_the_run_did_and_reads_the_val_images_alone(trained_with,
     run([*evaluate, "--check-only", "2"])  # ends after the checks, with exit status 0
     assert "evaluated" not in capsys.readouterr().out
     run(evaluate)
-    taken = "--amp bf16" if trained_with == ["--amp"] else "--eval-crop 24"
-    assert f"note: -e evaluates as the run did, with {taken} from {out}/best.pth" in capsys.readouterr().out
+    taken = "--amp bf16" if trained_with == ["--amp"] else "window 24x24 stride 16x16"
+    assert f"note: -e evaluates as the run did ({taken}, from {out}/best.pth)" in capsys.readouterr().out
     with open(f"{out}/eval.json") as f:
         assert json.load(f)["miou"] == metrics(out)[0]["miou"]
-    other = ["--amp", "off"] if trained_with == ["--amp"] else ["--eval-crop", "16"]
+    same = ["--amp", "bf16"] if trained_with == ["--amp"] else ["--eval-crop", "24", "24"]  # written another way
+    run([*evaluate, *same])
+    assert "note: -e evaluates as the run did" in capsys.readouterr().out
+    other = ["--amp", "off"] if trained_with == ["--amp"] else ["--eval-crop", "24", "--eval-stride", "8"]
     run([*evaluate, *other])
-    assert f"note: -e evaluates with {' '.join(other)}" in capsys.readouterr().out
+    differs = "--amp off (the run's: bf16)" if trained_with == ["--amp"] else \
+        "window 24x24 stride 8x8 (the run's: window 24x24 stride 16x16)"
+    assert f"note: -e evaluates with {differs}: its mIoU may differ" in capsys.readouterr().out
+    if trained_with == ["--amp"]:  # a run on GPUs in fp16, evaluated on a CPU: bf16 there, said
+        saved = torch.load(f"{out}/best.pth", map_location="cpu", weights_only=True)
+        torch.save({**saved, "args": {**saved["args"], "amp": "fp16"}}, tmp_path / "fp16.pth")
+        run([*evaluate[:2], str(tmp_path / "fp16.pth"), *evaluate[3:]])
+        said = capsys.readouterr().out
+        assert "note: -e evaluates with --amp bf16 (the run's: fp16)" in said and "wrote" in said, said
 
 
 def test_amp_given_alone_picks_what_the_device_runs_natively(monkeypatch):
-    """--amp alone: bf16 on the CPU and on a GPU that runs it natively, fp16 on one that would emulate it (V100, T4);
-    main.py's choice (the lesson's) and the harness's (predict.py, the out-of-memory advice) agree. A value given
-    stays."""
+    """--amp alone: bf16 on the CPU and on a GPU that runs it natively, fp16 on one that only emulates it (V100, T4:
+    is_bf16_supported() says True there, is_bf16_supported(including_emulation=False) False); main.py's choice (the
+    lesson's) and the harness's (predict.py, the out-of-memory advice) agree. A value given stays."""
     from harness import checks
-    assert main.native_amp("auto", torch.device("cpu")) == "bf16" == checks.native_amp(False)
+    assert main.native_bf16(torch.device("cpu")) and checks.native_amp(False) == "bf16"
     for native, expected in ((True, "bf16"), (False, "fp16")):
-        monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: native)
-        assert main.native_amp("auto", torch.device("cuda", 0)) == expected == checks.native_amp(True)
-    assert [main.native_amp(given, torch.device("cpu")) for given in ("fp16", "off", None)] == ["fp16", "off", None]
+        monkeypatch.setattr(torch.cuda, "is_bf16_supported",
+                            lambda including_emulation=True: native or including_emulation)
+        assert main.native_bf16(torch.device("cuda", 0)) == native and checks.native_amp(True) == expected
+    assert [main.amp_of_the_job(given, torch.device("cpu")) for given in ("fp16", "off", None, "auto")] == \
+        ["fp16", "off", None, "bf16"]
+
+
+def _amp_of_a_rank(rank, port, folder):
+    """One rank of two (gloo): its device runs bf16 natively on rank 0 alone; what amp_of_the_job chose, to a file."""
+    import torch.distributed as dist
+    code = 1
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+        main.native_bf16 = lambda device: rank == 0
+        with open(f"{folder}/rank_{rank}", "w") as f:
+            f.write(main.amp_of_the_job("auto", torch.device("cpu")))
+        dist.destroy_process_group()
+        code = 0
+    finally:
+        os._exit(code)
+
+
+def test_amp_given_alone_is_one_choice_for_the_whole_job(tmp_path):
+    """Two ranks whose GPUs differ (one runs bf16 natively, one would emulate it) both take fp16: ranks in two
+    precisions would average scaled and unscaled gradients."""
+    import multiprocessing
+    from conftest import free_port
+    port = free_port()
+    ranks = [multiprocessing.get_context("fork").Process(target=_amp_of_a_rank, args=(rank, port, str(tmp_path)))
+             for rank in range(2)]
+    for rank in ranks:
+        rank.start()
+    for rank in ranks:
+        rank.join(60)
+    assert [rank.exitcode for rank in ranks] == [0, 0]
+    assert [(tmp_path / f"rank_{rank}").read_text() for rank in range(2)] == ["fp16", "fp16"]

@@ -300,7 +300,6 @@ def test_run_sh_keeps_the_recipes_global_batch_on_1_to_8_gpus(gpus, per_gpu, acc
     check, launch = log.read_text().splitlines()
     assert f"--check-only {gpus}" in check and f"--nproc_per_node {gpus} " in launch, (check, launch)
     assert f"-b {per_gpu} --accum-steps {accum_steps} --base-batch 16" in launch, launch
-    assert per_gpu * gpus * accum_steps == 16 or 16 % gpus, launch
 
 
 @pytest.mark.launch

@@ -933,3 +933,15 @@ def test_a_process_killed_inside_torch_save_loses_nothing_and_the_same_command_r
     assert (out / "checkpoint.prev.pth").read_bytes() == before
     assert [r["epoch"] for r in metrics(str(out))] == [0, 1]  # the killed epoch's line once, from the resumed run
     assert not [name for name in os.listdir(out) if name.endswith(".tmp")], os.listdir(out)
+
+
+def test_a_resume_that_changes_the_learning_rates_base_says_so(tiny_data, tmp_path, capsys):
+    """--base-batch scales --lr with the global batch: a run resumed with another global batch (another number of
+    GPUs under run.sh) goes on at another base rate, and says both."""
+    import main
+    out = str(tmp_path / "out")
+    common = ["--data", tiny_data, "--output-dir", out, *TRAIN_ARGS, "--epochs", "2", "--base-batch", "4"]
+    main.main(main.get_args_parser().parse_args([*common, "--epochs", "1", "-b", "2"]))  # 0.1 x 2/4
+    capsys.readouterr()
+    main.main(main.get_args_parser().parse_args([*common, "--resume", "auto", "-b", "4"]))  # 0.1 x 4/4
+    assert "note: the learning rate's base is 0.1 now, 0.05 before (--lr 0.1 x 4/4)" in capsys.readouterr().out
