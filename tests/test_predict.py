@@ -149,8 +149,8 @@ def test_a_full_disk_ends_in_one_line(checkpoint, tmp_path, monkeypatch, capsys)
 @pytest.fixture(scope="module")
 def exported(tiny_data, tmp_path_factory):
     """A folder: run/best.pth, as main.py writes it on two processes (one epoch on tiny_data); best.pth, the same with
-    varied_model's weights (which predict many classes); model.onnx and model.pt2, predict.py's exports of best.pth.
-    Built once for the whole run, by the first worker to ask: the exports take 20-50 s.
+    varied_model's weights (which predict many classes); model.onnx, predict.py's export of best.pth. Built once for
+    the whole run, by the first worker to ask: the export takes 20-50 s.
 
     The export runs in a forked copy of this process. Seen with torch 2.14: after torch.export in a process that had
     run no backward yet, its first backward starts autograd's device threads, and each process forked from it
@@ -162,9 +162,8 @@ def exported(tiny_data, tmp_path_factory):
                                 os.path.join(folder, "logs")))
         saved = torch.load(os.path.join(run_dir, "best.pth"), map_location="cpu", weights_only=True)
         torch.save({**saved, "model": varied_model().state_dict()}, best)
-        for path in (path, os.path.join(folder, "model.pt2")):
-            exporter = fork_main(["--resume", best, "--export", path], f"{path}.log", program="predict")
-            assert finish_ranks([exporter])[0].startswith(f"wrote {path}"), exporter
+        exporter = fork_main(["--resume", best, "--export", path], f"{path}.log", program="predict")
+        assert finish_ranks([exporter])[0].startswith(f"wrote {path}"), exporter
     return built_once(tmp_path_factory, "exported", build)
 
 
@@ -184,16 +183,21 @@ def test_onnx_export_computes_what_pytorch_computes(exported):
 
 @pytest.mark.launch
 def test_pt2_export_runs_on_torch_alone_outside_the_project(exported, tmp_path):
-    """model.pt2, in a fresh python in a folder outside the project (nothing of it importable), loads with
-    torch.export.load and computes the checkpoint's logits at sizes other than the export's example. predict.py
-    knows it again by its bytes, as an earlier export it may replace."""
+    """model.pt2, exported here (in a fork: torch.export would break this process's later forks), then in a fresh
+    python in a folder outside the project (nothing of it importable), loads with torch.export.load and computes
+    the checkpoint's logits at sizes other than the export's example. predict.py knows it again by its bytes, as an
+    earlier export it may replace."""
     assert not str(tmp_path).startswith(ROOT)
+    pt2 = str(tmp_path / "model.pt2")
+    exporter = fork_main(["--resume", os.path.join(exported, "best.pth"), "--export", pt2], f"{pt2}.log",
+                         program="predict")
+    assert finish_ranks([exporter])[0].startswith(f"wrote {pt2}"), exporter
     images = torch.randn(3, 3, 75, 101)
     torch.save(images, tmp_path / "images.pt")
     (tmp_path / "load.py").write_text(
         "import sys, torch\n"
         "assert all(name not in sys.modules for name in ('models', 'harness'))\n"
-        f"model = torch.export.load({os.path.join(exported, 'model.pt2')!r}).module()\n"
+        f"model = torch.export.load({pt2!r}).module()\n"
         "with torch.no_grad():\n"
         "    torch.save(model(torch.load('images.pt')), 'logits.pt')\n")
     run([PY, "-c", "import runpy; runpy.run_path('load.py')"], cwd=str(tmp_path), env={"PYTHONPATH": ""})
@@ -202,7 +206,7 @@ def test_pt2_export_runs_on_torch_alone_outside_the_project(exported, tmp_path):
         expected = model(images)
     logits = torch.load(tmp_path / "logits.pt")
     assert logits.shape == (3, 19, 75, 101) and (logits - expected).abs().max() < 1e-4
-    assert predict.is_export(os.path.join(exported, "model.pt2")) and predict.is_export(
+    assert predict.is_export(pt2) and predict.is_export(
         os.path.join(exported, "model.onnx"))
     import zipfile
     with zipfile.ZipFile(tmp_path / "other.pt2", "w") as other:
