@@ -17,6 +17,9 @@ import sys
 import tempfile
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.realpath(__file__)))  # this folder's modules under python -I too
+from harness import recovery  # (before torchvision: it checks the temporary folder torchvision's import needs)
+from harness.checks import Range, check_numbers
 import numpy as np
 import torch
 from PIL import Image
@@ -605,6 +608,10 @@ def bench_dp_vs_ddp(batch, crop, steps, warmup):
         print(f"{name:<14} {rate:8.1f} {rate / dp_rate:6.2f}  " + " ".join(f"{m:.2f}" for m in memory))
 
 
+RANGES = {"batch": ("--batch", Range(1)), "crop": ("--crop", Range(16)), "steps": ("--steps", Range(1)),
+          "warmup": ("--warmup", Range(0))}
+
+
 def get_args_parser():
     parser = argparse.ArgumentParser(prog="bench.py", description=__doc__.split("\n")[0])
     parser.add_argument("--gpu", action="store_true", help="the single-GPU precision/layout table")
@@ -626,6 +633,7 @@ def cli(argv=None):
     """bench.py's command line: argv (without it, sys.argv's) picks the measures. tests/test_bench.py calls it
     in its own process, which has imported torch already."""
     args = get_args_parser().parse_args(argv)
+    check_numbers(args, RANGES)
     if args.checkpoint:
         times, size = checkpoint_check(rounds=1 if args.quick else 5)
         print(f"CPU: {os.cpu_count()} cores, torch {torch.__version__}: the recipe's checkpoint, {size / 1e6:.0f} MB "
@@ -655,4 +663,5 @@ def cli(argv=None):
 
 
 if __name__ == "__main__":
-    cli()
+    with recovery.guard("bench.py"):  # a stop or Ctrl-C, a mistake: one line
+        cli()

@@ -28,7 +28,8 @@ from PIL import Image, PngImagePlugin
 from torchvision import tv_tensors
 from torchvision.transforms.v2 import functional as F
 
-from images import BadInput, cached, check_label_bytes, decode_label, read_image, seen_size
+from images import (BadInput, cached, cannot_list, check_label_bytes, decode_label, input_files, not_a_file,
+                    read_image, seen_size)
 
 # The label table: torchvision carries the official one (cityscapesScripts' labels.py), so we read it
 # rather than typing it again. The 19 classes a model learns are those with 0 <= train_id < 255.
@@ -115,39 +116,19 @@ def jitter_colors(image, strength, generator):
     return F.adjust_saturation(image, saturation)
 
 
-def _cannot_list(folder, error):
-    """The line for a folder of the data set that cannot be listed: which, why, and what to do, from its errno."""
-    if error.errno in (errno.EACCES, errno.EPERM):
-        advice = (f"give the user that runs training permission to read it and the folders in it (ls -ld {folder}: "
-                  "its owner and mode)")
-    elif error.errno == errno.ENOENT:
-        advice = "it went away while it was listed: is the data set being moved or changed? Run again once it is whole"
-    elif error.errno == errno.EIO:
-        advice = "the disk or network filesystem failed (dmesg says more): see to it, then run again"
-    else:
-        advice = "see to its cause, then run again"
-    return f"{folder} cannot be listed ({error.strerror or error}): {advice}"
-
-
 def _listing(folder):
     """os.listdir(folder), or a BadInput that names the folder and what to do."""
     try:
         return os.listdir(folder)
     except OSError as error:
-        raise BadInput(_cannot_list(folder, error)) from None
+        raise BadInput(cannot_list(folder, error)) from None
 
 
-def _folder_entries(folder, folders=True):
-    """The sub-folders (or the files) of folder, sorted; other entries ignored. A link that leads nowhere
-    or to itself (a loop) is named: it is a mistake in the data folder, not something to skip quietly."""
-    entries = []
-    for name in sorted(_listing(folder)):
-        path = os.path.join(folder, name)
-        if os.path.islink(path) and not os.path.exists(path):
-            raise BadInput(f"{path} is a symbolic link that leads nowhere or loops back to itself; fix or remove it")
-        if os.path.isdir(path) if folders else os.path.isfile(path):
-            entries.append(path)
-    return entries
+def _folder_entries(folder):
+    """The sub-folders of folder, sorted; other entries ignored. A link that leads nowhere or to itself (a loop)
+    is named: it is a mistake in the data folder, not something to skip quietly."""
+    return [os.path.join(folder, name) for name in sorted(_listing(folder))
+            if not_a_file(os.path.join(folder, name)) is None and os.path.isdir(os.path.join(folder, name))]
 
 
 class SegmentationFiles(torch.utils.data.Dataset):
@@ -168,6 +149,7 @@ class SegmentationFiles(torch.utils.data.Dataset):
     classes, label_table = None, None
     checks_every_label = False  # check_files decodes every label, train's too
     label_check = ""  # what read_label checks values against, for the cache's names (cached())
+    not_files = ()  # what the listing found that is no file to read, skipped: [(path, what it is)]
 
     def __init__(self, images, labels, crop_size=None, seed=0, cache_dir=None, scale_range=(0.5, 2.0),
                  color_jitter=0.0):
@@ -282,9 +264,11 @@ class Cityscapes(SegmentationFiles):
             if not os.path.isdir(os.path.join(root, sub, split)):
                 raise BadInput(f"{os.path.join(root, sub, split)} not found: {root} should hold Cityscapes "
                                f"(leftImg8bit/ and gtFine/) or your own data (images/, masks/, classes.json). {get}")
-        pairs = []
+        pairs, self.not_files = [], []  # not_files: what is no file to read, skipped (images.input_files)
         for city in _folder_entries(os.path.join(root, "leftImg8bit", split)):
-            for name in _folder_entries(city, folders=False):
+            files, others = input_files(city, recursive=False)
+            self.not_files += others
+            for name in files:
                 if name.endswith("_leftImg8bit.png"):
                     label = name.replace("_leftImg8bit.png", "_gtFine_labelIds.png")
                     pairs.append((name, os.path.join(root, "gtFine", split, os.path.basename(city),
@@ -293,7 +277,7 @@ class Cityscapes(SegmentationFiles):
             raise BadInput(f"{os.path.join(root, 'leftImg8bit', split)} holds no *_leftImg8bit.png images. {get}")
         # Listed, not globbed: glob skips a city folder it cannot list without a word, and its labels look missing.
         labels = {name for city in _folder_entries(os.path.join(root, "gtFine", split))
-                  for name in _folder_entries(city, folders=False) if name.endswith("_gtFine_labelIds.png")}
+                  for name in input_files(city, recursive=False)[0] if name.endswith("_gtFine_labelIds.png")}
         missing = [t for _, t in pairs if t not in labels]
         if missing:
             raise BadInput(f"{len(missing)} {split} image(s) have no label file, e.g. {missing[0]} is missing; "
@@ -357,6 +341,8 @@ def _no_key_twice(pairs):
 def read_classes(root):
     """DIR/classes.json -> ({"names", "colors"}, the mask value that means ignore), checked."""
     path = os.path.join(root, "classes.json")
+    if os.path.exists(path) and not_a_file(path):  # (opening a named pipe would wait for ever)
+        raise BadInput(f"{path} is {not_a_file(path)}, not a file: write classes.json as {_CLASSES_EXAMPLE}")
     try:
         with open(path) as f:
             spec = json.load(f, object_pairs_hook=_no_key_twice)
@@ -365,7 +351,7 @@ def read_classes(root):
                        f"{_CLASSES_EXAMPLE}") from None
     except BadInput as error:
         raise BadInput(f"{path}: {error}") from None
-    except (OSError, ValueError) as error:
+    except (OSError, ValueError, RecursionError) as error:  # (RecursionError: nested past json's limit)
         raise BadInput(f"{path} cannot be read as JSON ({str(error).splitlines()[0]}); write it as "
                        f"{_CLASSES_EXAMPLE}") from None
     if not isinstance(spec, dict) or set(spec) - {"names", "colors", "ignore_index"}:
@@ -400,31 +386,20 @@ def read_classes(root):
 OTHER_IMAGE_FORMATS = (".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm", ".pgm", ".jpg", ".jpeg", ".png")
 
 
-def _files_below(folder, extensions, what):
+def _files_below(folder, extensions, what, not_files):
     """Paths below folder (sub-folders included, linked ones too) of files with those extensions, relative to
-    it, sorted. An image in another format is named: training does not read it (what: "images" or "masks")."""
-    def unlisted(error):  # os.walk would skip a folder it cannot list, and its images with it, without a word
-        raise BadInput(_cannot_list(error.filename, error))
-
-    found, seen = [], set()
-    for parent, subfolders, names in os.walk(folder, onerror=unlisted, followlinks=True):
-        if os.path.realpath(parent) in seen:
-            raise BadInput(f"{parent} leads back to a folder already listed (a symbolic link loop); fix or remove it")
-        seen.add(os.path.realpath(parent))
-        subfolders.sort()
-        for name in names:
-            path = os.path.join(parent, name)
-            if os.path.islink(path) and not os.path.exists(path):
-                raise BadInput(f"{path} is a symbolic link that leads nowhere or loops back to itself; fix or "
-                               "remove it")
-            if name.lower().endswith(extensions):
-                found.append(os.path.relpath(path, folder))
-            elif name.lower().endswith(OTHER_IMAGE_FORMATS):
-                why = ("are PNGs: JPEG's compression changes class indices" if what == "masks" else
-                       f"are {', '.join(extensions)} files")
-                again = os.path.splitext(name)[0] + (".png" if what == "masks" else ".jpg or .png")
-                raise BadInput(f"{path}: {what} {why}, and this format is not read; save it as {again}, or remove it")
-    return sorted(found)
+    it, sorted; what is no file to read is added to not_files. An image in another format is named: training
+    does not read it (what: "images" or "masks")."""
+    found, others = input_files(folder)
+    not_files += others
+    for path in found:
+        name = os.path.basename(path)
+        if name.lower().endswith(OTHER_IMAGE_FORMATS) and not name.lower().endswith(extensions):
+            why = ("are PNGs: JPEG's compression changes class indices" if what == "masks" else
+                   f"are {', '.join(extensions)} files")
+            again = os.path.splitext(name)[0] + (".png" if what == "masks" else ".jpg or .png")
+            raise BadInput(f"{path}: {what} {why}, and this format is not read; save it as {again}, or remove it")
+    return [os.path.relpath(path, folder) for path in found if path.lower().endswith(extensions)]
 
 
 class FolderDataset(SegmentationFiles):
@@ -453,14 +428,14 @@ class FolderDataset(SegmentationFiles):
             if not os.path.isdir(folder):
                 raise BadInput(f"{folder} not found: with a classes.json, {root} holds its {split} images in "
                                f"images/{split}/ and their masks in masks/{split}/ (docs/your-data.md)")
-        images = {}
-        for name in _files_below(self.image_root, IMAGE_EXTENSIONS, "images"):
+        images, self.not_files = {}, []  # not_files: what is no file to read, skipped (images.input_files)
+        for name in _files_below(self.image_root, IMAGE_EXTENSIONS, "images", self.not_files):
             stem = os.path.splitext(name)[0]
             if stem in images:
                 raise BadInput(f"{self.image_root}: {images[stem]} and {name} would share one mask, {stem}.png; "
                                "rename one")
             images[stem] = name
-        masks = {os.path.splitext(name)[0]: name for name in _files_below(mask_root, (".png",), "masks")}
+        masks = {os.path.splitext(name)[0]: name for name in _files_below(mask_root, (".png",), "masks", self.not_files)}
         if not images:
             raise BadInput(f"{self.image_root} holds no images ({', '.join(IMAGE_EXTENSIONS)}): the {split} "
                            "split is empty")
@@ -542,7 +517,7 @@ def open_dataset(root, split="train", **options):
         raise BadInput(f"{root} is a file, not a data set's folder" + (": unzip it into a folder and give that"
                        if root.lower().endswith((".zip", ".tar", ".gz")) else ""))
     if os.path.isdir(root) and not os.access(root, os.R_OK | os.X_OK):  # else every folder in it looks missing
-        raise BadInput(_cannot_list(root, PermissionError(errno.EACCES, os.strerror(errno.EACCES))))
+        raise BadInput(cannot_list(root, PermissionError(errno.EACCES, os.strerror(errno.EACCES))))
     archives = glob.glob(os.path.join(root, "*.zip"))
     if archives and not any(os.path.isdir(os.path.join(root, sub)) for sub in ("leftImg8bit", "images")):
         raise BadInput(f"{root} holds {os.path.basename(archives[0])} but no leftImg8bit/ or images/ folder: unzip "

@@ -10,10 +10,12 @@
 Both readers return numpy arrays, so that a crop can be sliced out of them, or out of the cache's memory maps,
 before anything is copied.
 """
+import errno
 import glob
 import hashlib
 import os
 import secrets
+import stat
 import struct
 
 import numpy as np
@@ -36,6 +38,65 @@ class BadInput(ValueError):
 def first_line(error):
     """An error's own first line, whole (a decoder's messages run over several lines)."""
     return (str(error).strip().splitlines() or [type(error).__name__])[0]
+
+
+def cannot_list(folder, error):
+    """The line for a folder of inputs that cannot be listed: which, why, and what to do, from its errno."""
+    if error.errno in (errno.EACCES, errno.EPERM):
+        advice = (f"give the user that runs the program permission to read it and the folders in it (ls -ld {folder}: "
+                  "its owner and mode)")
+    elif error.errno == errno.ENOENT:
+        advice = "it went away while it was listed: is it being moved or changed? Run again once it is whole"
+    elif error.errno == errno.EIO:
+        advice = "the disk or network filesystem failed (dmesg says more): see to it, then run again"
+    else:
+        advice = "see to its cause, then run again"
+    return f"{folder} cannot be listed ({error.strerror or error}): {advice}"
+
+
+def not_a_file(path):
+    """What path is when it is not a regular file to read (a named pipe, a socket, a device), else None: opening a
+    named pipe waits for a writer for ever, and a device reads without end. A link is judged by what it leads to;
+    one that leads nowhere, or loops, is BadInput."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as error:
+        if os.path.islink(path):
+            raise BadInput(f"{path} is a symbolic link that leads nowhere or loops back to itself; fix or remove "
+                           "it") from None
+        raise BadInput(f"{path} cannot be read ({error.strerror or error})") from None
+    if stat.S_ISREG(mode) or stat.S_ISDIR(mode):
+        return None
+    return "a named pipe" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) else "a device"
+
+
+def input_files(top, recursive=True, leave_out=None):
+    """Every input a program reads below the folder top, listed one way for all (training's data, predict.py's
+    folders): -> (files, others). files: the regular files, sorted paths (sub-folders too where recursive, linked
+    ones followed, each once; leave_out(folder) True: that folder left out). others: [(path, what it is)], the
+    entries that are not files to read (not_a_file), for the caller to name. macOS's AppleDouble files (._NAME,
+    its record of NAME's metadata on a FAT or network disk) are neither. A folder that cannot be listed (os.walk
+    would skip it, and its files, without a word) or a link loop: BadInput."""
+    def unlisted(error):
+        raise BadInput(cannot_list(error.filename, error))
+
+    files, others, seen = [], [], set()
+    for parent, subfolders, names in os.walk(top, onerror=unlisted, followlinks=True):
+        if os.path.realpath(parent) in seen:
+            raise BadInput(f"{parent} leads back to a folder already listed (a symbolic link loop); fix or remove it")
+        seen.add(os.path.realpath(parent))
+        subfolders[:] = sorted(d for d in subfolders if recursive and not (leave_out and leave_out(
+            os.path.join(parent, d))))
+        for name in names:
+            if name.startswith("._"):
+                continue
+            path = os.path.join(parent, name)
+            what = not_a_file(path)
+            if what:
+                others.append((path, what))
+            else:
+                files.append(path)
+    return sorted(files), sorted(others)
 
 
 def _check_size(path, width, height):

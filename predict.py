@@ -40,10 +40,11 @@ import torch.distributed as dist
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 
+sys.path.insert(0, os.path.dirname(os.path.realpath(__file__)))  # this folder's modules under python -I too
 from harness import checkpoints, checks, inference, job, paths, records, recovery, stops
 from dataset import CLASS_NAMES, TRAINID_TO_ID
 from harness.errors import fail, first_line
-from images import float_pixels, read_image
+from images import float_pixels, input_files, not_a_file, read_image
 from main import default_workers, normalize  # the lesson's: normalize gives the input the model learned on
 
 EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".tif", ".tiff")
@@ -95,7 +96,7 @@ def find_images(inputs, output_dir):
         real = os.path.realpath(path)
         return real == output_dir or real.startswith(output_dir + os.sep)
 
-    files, roots, skipped = {}, [], []
+    files, roots, skipped, not_files = {}, [], [], []
     for text in inputs:
         named = os.path.exists(text)
         matches = [text] if named else sorted(glob.glob(text, recursive=True))
@@ -109,15 +110,18 @@ def find_images(inputs, output_dir):
                 continue  # a pattern's match in the output folder: an earlier run's prediction
             if os.path.isdir(match):
                 roots.append(os.path.abspath(match))
-                for folder, subfolders, names in os.walk(match):
-                    subfolders[:] = sorted(d for d in subfolders if not in_output(os.path.join(folder, d)))
-                    files.update((os.path.abspath(os.path.join(folder, name)), True) for name in names
-                                 if name.lower().endswith(EXTENSIONS))
-                    skipped += [os.path.join(folder, name) for name in sorted(names)
-                                if name.lower().endswith(SKIPPED_KINDS)]
+                found, others = input_files(match, leave_out=in_output)  # (one lister for every program's inputs)
+                not_files += others
+                files.update((os.path.abspath(path), True) for path in found if path.lower().endswith(EXTENSIONS))
+                skipped += [path for path in found if path.lower().endswith(SKIPPED_KINDS)]
+            elif (named or match.lower().endswith(EXTENSIONS)) and not_a_file(match):
+                not_files.append((match, not_a_file(match)))
             elif named or match.lower().endswith(EXTENSIONS):
                 roots.append(os.path.dirname(os.path.abspath(match)))
                 files[os.path.abspath(match)] = True
+    if not_files:
+        job.log(f"note: {len(not_files)} input(s) skipped: not files to read (e.g. {not_files[0][0]}, "
+                f"{not_files[0][1]})")
     if skipped:
         job.log(f"note: {len(skipped)} picture(s) of a kind predict.py does not take from a folder skipped (e.g. "
                 f"{skipped[0]}): convert them to PNG (a GIF named by itself: its first frame)")

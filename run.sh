@@ -98,6 +98,9 @@ else
   COUNT=$(mktemp -d "${TMPDIR:-/tmp}/deeplab-gpus.XXXXXX") \
     || fail "TMPDIR=${TMPDIR:-/tmp} cannot be written: set TMPDIR to a folder of this machine that can"
   trap 'rm -rf "$COUNT"' EXIT
+  # Python's lines land in this folder: a full one (an empty folder still fits) would fail the count itself.
+  WROTE=$( { printf 'a test line\n' > "$COUNT/probe"; } 2>&1 ) \
+    || fail "TMPDIR=${TMPDIR:-/tmp} cannot be written (${WROTE##*: }): free space there, or set TMPDIR to another folder"
   STATUS=0
   # What Python says goes to a file (the step's own redirection: run_step's stop line still reaches the terminal).
   STOP_WAIT=0 run_step "counting the GPUs" sh -c 'exec "$0" -c "import torch; print(torch.cuda.device_count())" \

@@ -15,16 +15,15 @@ import argparse
 import json
 import multiprocessing
 import os
-import signal
 import sys
 
+sys.path.insert(0, os.path.dirname(os.path.realpath(__file__)))  # this folder's modules under python -I too
+from harness import paths, recovery, stops  # (before torchvision: it checks the temporary folder its import needs)
+from harness.checks import Range, check_numbers
 import numpy as np
 import torchvision
 from PIL import Image, ImageDraw
 
-from harness import paths
-from harness.checks import Range, check_numbers
-from harness.errors import UserError
 from dataset import IGNORE_INDEX, palette_of
 
 _TABLE = torchvision.datasets.Cityscapes.classes  # the official label table: ids, categories, colours
@@ -202,12 +201,6 @@ def _files(layout, split, i):
     return [image, label] + ([label.replace("_labelIds.png", "_instanceIds.png")] if layout != "folder" else [])
 
 
-def _quiet_worker():
-    """A drawing process leaves Ctrl-C to its parent, and ends at once on the SIGTERM that ends the pool."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-
-
 def _write_scene(job):
     """Draw scene i of a split and write its image and label, and Cityscapes' instanceIds (a worker's task)."""
     root, layout, split, i, seed, size, photo = job
@@ -242,7 +235,7 @@ def write_synthetic(root, num_train=200, num_val=50, size=(256, 128), seed=0, ph
         drawn = {split: min(count, unique or count) for split, count in counts.items()}
         jobs = [(folder, layout, split, i, seed, size, photo) for split in counts for i in range(drawn[split])]
         if workers > 1 and len(jobs) > 1:
-            with multiprocessing.get_context("fork").Pool(workers, initializer=_quiet_worker) as pool:
+            with multiprocessing.get_context("fork").Pool(workers, initializer=stops.quiet_pool_worker) as pool:
                 list(pool.imap_unordered(_write_scene, jobs))
         else:
             for job in jobs:
@@ -281,30 +274,12 @@ RANGES = {"num_train": ("--num-train", Range(1)), "num_val": ("--num-val", Range
           "unique": ("--unique", Range(1)), "workers": ("-j/--workers", Range(0))}
 
 
-def _stop(signum, frame):
-    # Once: a second stop (gpu_check.py sends one 2 s after the first) would break into the cleanup the first began,
-    # leaving the pool's drawing processes running and the temporary folder behind. (SIGKILL still ends it.)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    raise KeyboardInterrupt  # a SIGTERM (run.sh passes a Ctrl-C on so) ends as a Ctrl-C does: the temporary folder goes
-
-
 if __name__ == "__main__":
     args = get_args_parser().parse_args()
-    signal.signal(signal.SIGTERM, _stop)
-    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # (not where it is ignored: run.sh's step)
-        signal.signal(signal.SIGINT, _stop)
-    try:
+    with recovery.guard("synthetic.py"):  # a mistake, a full disk or a stop in one line; nothing half-written left
         check_numbers(args, RANGES)
         write_synthetic(args.folder, args.num_train, args.num_val, tuple(args.size), args.seed, args.photo,
                         args.layout, args.workers, args.unique, args.num_test)
-    except UserError as error:
-        sys.exit(f"synthetic.py: error: {error}")
-    except OSError as error:  # a full disk: write_folder removed what it had written
-        sys.exit(f"synthetic.py: error: cannot write {args.folder} ({error.strerror or error}); nothing half-written "
-                 "is left: free space there, or give another folder")
-    except KeyboardInterrupt:
-        sys.exit(f"synthetic.py: stopped; {args.folder} was not written (nothing half-written is left)")
-    test = f", {args.num_test} test" if args.num_test else ""
-    print(f"wrote {args.num_train} train, {args.num_val} val{test} {'photo-like ' if args.photo else ''}images "
-          f"({args.size[0]}x{args.size[1]}) to {args.folder}, {args.layout} layout")
+        test = f", {args.num_test} test" if args.num_test else ""
+        print(f"wrote {args.num_train} train, {args.num_val} val{test} {'photo-like ' if args.photo else ''}images "
+              f"({args.size[0]}x{args.size[1]}) to {args.folder}, {args.layout} layout")

@@ -25,3 +25,76 @@ Names say when a function writes or waits for the other ranks: one whose name be
 (every rank calls it, at the same point); write, make, move, hold, rewrite or save in a name: it writes files; a
 name that says check and nothing more only reads.
 """
+import errno
+import os
+import sys
+import tempfile
+
+# The longest path of an AF_UNIX socket (sun_path, less its NUL): Linux's, and macOS's and the BSDs'.
+_SOCKET_PATH_MAX = 107 if sys.platform.startswith("linux") else 103
+# What multiprocessing adds to the temporary folder for the socket a DataLoader worker hands a batch over through
+# (torch's file_descriptor sharing): /pymp-XXXXXXXX/listener-XXXXXXXX.
+_SOCKET_SUFFIX = len("/pymp-12345678/listener-12345678")
+
+
+def program_name():
+    """The program this process runs, as its lines name it: main.py, harness/cache.py (python -c and -m: python)."""
+    path = os.path.realpath(sys.argv[0]) if sys.argv and sys.argv[0] not in ("", "-c", "-m") else ""
+    root = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
+    return os.path.relpath(path, root) if path.startswith(root + os.sep) else os.path.basename(path) or "python"
+
+
+def _cannot_write(folder):
+    """Why a file with something in it cannot be made in folder (its errno's words), or None."""
+    probe = os.path.join(folder, f".deeplab-probe-{os.getpid()}")
+    try:
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.write(fd, b"probe")  # (a full filesystem may still make an empty file)
+        finally:
+            os.close(fd)
+            os.remove(probe)
+    except OSError as error:
+        return os.strerror(error.errno) if error.errno else str(error)
+    return None
+
+
+def _temporary_folder_problem():
+    """What keeps torch from the temporary folder it needs, or None. torchvision's import asks tempfile for one
+    (a read-only root filesystem with TMPDIR unset fails there, in a long traceback); DataLoader workers hand their
+    batches over through sockets made in it, whose path has a length limit."""
+    given = os.environ.get("TMPDIR")
+    why = _cannot_write(given) if given else None
+    fix = "free space there, or " if why == os.strerror(errno.ENOSPC) else ""
+    if why:  # (tempfile would take /tmp instead, without a word)
+        return f"TMPDIR={given} cannot be used ({why}): {fix}set TMPDIR to a folder of this machine you can write"
+    try:
+        folder = tempfile.gettempdir()  # the first of TMPDIR, TEMP, TMP, /tmp, /var/tmp, /usr/tmp, "." it can write
+    except FileNotFoundError:
+        why = _cannot_write("/tmp")
+        fix = "free space there, or " if why == os.strerror(errno.ENOSPC) else ""
+        return (f"no folder for temporary files can be written (/tmp: {why}; TMPDIR unset), and PyTorch needs one: "
+                f"{fix}set TMPDIR to a folder of this machine you can write (a read-only root filesystem: mount a "
+                "writable volume at /tmp)")
+    stats = os.statvfs(folder)
+    if stats.f_bavail * stats.f_frsize < 16 * 2**20:
+        return (f"the temporary folder {folder} has {stats.f_bavail * stats.f_frsize // 1024} KiB free: free space "
+                "there, or set TMPDIR to a folder with room")
+    if len(folder) + _SOCKET_SUFFIX > _SOCKET_PATH_MAX:
+        return (f"the temporary folder {folder} is {len(folder)} characters long; DataLoader workers hand batches over "
+                f"through sockets made in it, whose paths allow it {_SOCKET_PATH_MAX - _SOCKET_SUFFIX}: set TMPDIR to "
+                "a shorter path (/tmp, say)")
+    return None
+
+
+def check_temporary_folder():
+    """Every program's first check, as it imports the harness (before torchvision): a temporary folder torch can
+    use, or one line and exit 1 (said by one process of a job)."""
+    problem = _temporary_folder_problem()
+    if problem:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"{program_name()}: error: {problem}", file=sys.stderr, flush=True)
+        sys.exit(1)
+
+
+check_temporary_folder()

@@ -17,10 +17,8 @@ if __name__ == "__main__" and not __package__:  # run as a file, python path/to/
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository, for dataset
     __package__ = "harness"  # and for this module's relative imports below
 
-from dataset import BadInput, open_dataset  # noqa: E402
-
-from . import paths  # noqa: E402
-from .errors import UserError  # noqa: E402
+from . import paths, recovery, stops  # noqa: E402 (first: the package checks the temporary folder torch needs)
+from dataset import open_dataset  # noqa: E402
 
 _preparing = None  # the data set a worker process fills the cache for (set once per process by the Pool)
 
@@ -28,6 +26,11 @@ _preparing = None  # the data set a worker process fills the cache for (set once
 def _set_preparing(data):
     global _preparing
     _preparing = data
+
+
+def _start_worker(data):
+    stops.quiet_pool_worker()  # Ctrl-C is the parent's to act on: a worker's traceback would say nothing more
+    _set_preparing(data)
 
 
 def _cache_frame(index):
@@ -42,7 +45,7 @@ def prepare_cache(root, cache_dir, splits, workers):
     paths.make_folder("CACHE_DIR", cache_dir)
     for split, data in zip(splits, sets):
         _set_preparing(data)
-        pool = multiprocessing.Pool(workers, initializer=_set_preparing, initargs=(data,)) if workers else None
+        pool = multiprocessing.Pool(workers, initializer=_start_worker, initargs=(data,)) if workers else None
         with pool or contextlib.nullcontext():
             frames = pool.imap_unordered(_cache_frame, range(len(data)), chunksize=4) if pool else \
                 map(_cache_frame, range(len(data)))
@@ -71,7 +74,5 @@ if __name__ == "__main__":
     args = parser.parse_args()
     if args.workers < 0:
         parser.error(f"argument -j/--workers: {args.workers} must be at least 0")
-    try:
+    with recovery.guard("harness/cache.py"):  # a mistake, a file it cannot read, or a stop: one line
         prepare_cache(args.data, args.cache_dir, args.split, args.workers)
-    except (BadInput, UserError) as error:
-        sys.exit(f"harness/cache.py: error: {error}")

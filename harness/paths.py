@@ -415,8 +415,11 @@ def write_folder(path, write):
         if os.path.isdir(path):
             os.rmdir(path)  # empty, checked above
         os.replace(temporary, path)
-    except BaseException:
+    except BaseException as error:
         shutil.rmtree(temporary, ignore_errors=True)
+        if isinstance(error, OSError):
+            fail(f"cannot write {path} ({why_not_written(error)}); nothing half-written is left: "
+                 f"{what_to_do(error, path)}")
         raise
 
 

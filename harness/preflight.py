@@ -157,6 +157,10 @@ def check_data(args, crop_size, train_set, val_set, world_size):
     if not val_counts[:len(names)].any():
         fail(f"the val labels of {data} {args.data} hold no pixel of any class, only ignored ones: mIoU would be "
              "undefined; label the val images (or check ignore_index in classes.json)")
+    skipped = [entry for data in (train_set, val_set) if data is not None for entry in data.not_files]
+    if skipped:
+        log(f"note: {len(skipped)} entr{'y' if len(skipped) == 1 else 'ies'} of {args.data} skipped: not files to read "
+            f"(e.g. {skipped[0][0]}, {skipped[0][1]})")
     in_all = " in all (NPROC x NNODES)" if job.env().under_run_sh else ""
     if world_size > len(val_set):
         fail(f"{world_size} processes but only {len(val_set)} val images: use at most {len(val_set)} processes{in_all}")

@@ -72,9 +72,11 @@ def guard(program, args=None):
     except stops.Interrupted as stop:
         log(f"{program}: stopped by signal {stop.args[0]} before training began: nothing was trained. To go on, "
             f"{job.resume_advice()}")
-    except KeyboardInterrupt:  # Ctrl-C where it stops at once (-e, the preflight, predict.py): one line, no traceback
+    except KeyboardInterrupt:  # a stop where it ends at once (-e, predict.py, the tools; stops.install): one line
         if is_main_process():
-            print(f"{program}: stopped (Ctrl-C)", file=sys.stderr, flush=True)
+            signum = RUN.stops.signal
+            print(f"{program}: stopped ({signal.Signals(signum).name if signum else 'Ctrl-C'})", file=sys.stderr,
+                  flush=True)
         sys.exit(130)
     except (UserError, WeightsError) as error:
         if isinstance(error, paths.Held):  # another run's folder: nothing of this run is written there

@@ -50,8 +50,8 @@ def install(training=True):
     """A run starts with no signal seen. A training run's stop signals (STOP_SIGNALS): before the preflight has ended
     (preflight_ended()), nothing is trained and nothing waits for this process, and the run ends at once
     (Interrupted); after, the signal is noted and acted on where every rank can stop together (ranks_vote_to_stop,
-    ranks_vote_after_epoch), instead of killing the process mid-step. Other runs (-e, the preflight) keep their own
-    handlers: a stop ends them. A training run's sys.stdout and sys.stderr are wrapped as well (_Terminal)."""
+    ranks_vote_after_epoch), instead of killing the process mid-step. In other runs (-e, --check-only, predict.py, the
+    tools) a stop ends the program at once: Ctrl-C, and SIGTERM as Ctrl-C (_stop_now). A training run's sys.stdout and sys.stderr are wrapped as well (_Terminal)."""
     RUN.stops = job.Stops(handlers=RUN.stops.handlers)  # (handlers: those to put back, until restore() has)
     if training:
         RUN.stops.handlers = {signum: signal.signal(signum, _on_signal) for signum in STOP_SIGNALS}
@@ -59,6 +59,19 @@ def install(training=True):
             sys.stdout = _Terminal(sys.stdout)
         if sys.stderr is not None:
             sys.stderr = _Terminal(sys.stderr)
+    elif signal.getsignal(signal.SIGTERM) != signal.SIG_IGN:
+        RUN.stops.handlers = {signal.SIGINT: signal.getsignal(signal.SIGINT),
+                              signal.SIGTERM: signal.signal(signal.SIGTERM, _stop_now)}
+
+
+def _stop_now(signum, frame):
+    """SIGTERM where a stop ends the program at once: as Ctrl-C does, a KeyboardInterrupt, so that what it was
+    writing goes (paths.write_folder, a temporary file) and recovery.guard says so in one line. Once: a second stop
+    (a launcher's, a script's) must not break into that cleanup."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    RUN.stops.signal = signum
+    raise KeyboardInterrupt
 
 
 @contextmanager
@@ -173,6 +186,13 @@ def stop_signal():
 def steps_done():
     """Optimizer steps this process has voted on: how far it got, for its heartbeat (recovery.py)."""
     return RUN.stops.steps
+
+
+def quiet_pool_worker():
+    """A multiprocessing.Pool's worker (synthetic.py's, cache.py's) leaves Ctrl-C to its parent, and ends at once on
+    the SIGTERM that ends the pool (not stops.install's KeyboardInterrupt, a forked copy of its parent's)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 # --- DataLoader workers -------------------------------------------------------------------------------------------
