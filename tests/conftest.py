@@ -442,3 +442,42 @@ def folder_data(tmp_path_factory):
     classes.json with Cityscapes' 7 categories as the classes."""
     return built_once(tmp_path_factory, "own_data", lambda root: write_synthetic(
         root, num_train=8, num_val=5, size=(64, 32), seed=3, layout="folder"))
+
+
+@pytest.fixture
+def previous_run(tmp_path):
+    """An output folder holding a finished run's files (small stand-ins)."""
+    out = tmp_path / "out"
+    (out / "vis").mkdir(parents=True)
+    for name in ("checkpoint.pth", "best.pth", "metrics.jsonl", "vis/epoch_000.png"):
+        (out / name).write_bytes(f"the previous run's {name}".encode())
+    return str(out)
+
+
+def fingerprints(*folders):
+    """{folder: fingerprint(folder)} of each folder: what a test compares before and after."""
+    return {folder: fingerprint(folder) for folder in folders}
+
+
+def predict_fails(argv, capsys):
+    """predict.main() on argv, in this process, ends with exit code 1 and one error line. -> that line."""
+    import predict
+    with pytest.raises(SystemExit) as exit_info:
+        predict.main(predict.get_args_parser().parse_args(argv))
+    assert exit_info.value.code == 1
+    return one_error_line(capsys, "predict.py: error: ")
+
+
+def own_data(tmp_path, masks, names=("background", "cat"), ignore=255, image_size=(6, 4), suffix=".png"):
+    """A folder data set: for each split, images of image_size and these masks (lists of rows)."""
+    import numpy as np
+    from PIL import Image
+    root = tmp_path / "own"
+    for split in ("train", "val"):
+        (root / "images" / split).mkdir(parents=True)
+        (root / "masks" / split).mkdir(parents=True)
+        for i, mask in enumerate(masks):
+            Image.new("RGB", image_size, (100, 120, 140)).save(root / "images" / split / f"x{i}{suffix}")
+            Image.fromarray(np.array(mask, np.uint8)).save(root / "masks" / split / f"x{i}.png")
+    (root / "classes.json").write_text(json.dumps({"names": list(names), "ignore_index": ignore}))
+    return str(root)

@@ -186,3 +186,23 @@ def test_amp_given_alone_is_one_choice_for_the_whole_job(tmp_path):
         rank.join(60)
     assert [rank.exitcode for rank in ranks] == [0, 0]
     assert [(tmp_path / f"rank_{rank}").read_text() for rank in range(2)] == ["fp16", "fp16"]
+
+
+@pytest.mark.usefixtures("on_the_cpu")
+def test_any_size_and_any_scale_the_flags_accept(trained, tiny_data, tmp_path, capsys):
+    import predict
+    from PIL import Image
+    photos = tmp_path / "tiny"
+    photos.mkdir()
+    for width, height in ((1, 1), (3, 2), (1, 40)):
+        Image.new("RGB", (width, height), (90, 90, 90)).save(photos / f"{width}x{height}.png")
+    predict.main(predict.get_args_parser().parse_args([
+        "--resume", os.path.join(trained, "best.pth"), str(photos), "--output-dir", str(tmp_path / "p"), "-j", "0",
+        "--eval-scales", "0.01", "1", "--eval-flip", "--eval-crop", "8", "--eval-stride", "1"]))
+    for name, size in (("1x1", (1, 1)), ("3x2", (3, 2)), ("1x40", (1, 40))):
+        with Image.open(tmp_path / "p" / "color" / f"{name}.png.png") as picture:
+            assert picture.size == size
+    main.main(main.get_args_parser().parse_args(["--data", tiny_data, "--output-dir", str(tmp_path / "e"), *TRAIN_ARGS,
+                                                 "-e", "--resume", os.path.join(trained, "best.pth"),
+                                                 "--eval-scales", "0.01", "--eval-crop", "8"]))
+    assert "mIoU" in capsys.readouterr().out

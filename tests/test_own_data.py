@@ -16,7 +16,7 @@ import images
 import main
 import predict
 from harness import checkpoints, job, paths
-from conftest import ROOT, TRAIN_ARGS, main_fails, no_space, one_error_line
+from conftest import ROOT, TRAIN_ARGS, main_fails, no_space, one_error_line, own_data
 from dataset import FolderDataset, default_colors, open_dataset
 from models import build_model
 
@@ -391,3 +391,31 @@ def test_an_image_of_any_size_up_to_the_limit_reads_without_a_warning_and_a_larg
             with pytest.raises(images.BadInput, match=r".png is 20000 x 20000 pixels, more than the 268,435,456 "
                                                       r"this program reads \(16384 x 16384\): cut it into tiles"):
                 read(path)
+
+
+def test_own_data_mistakes_name_their_real_cause(tmp_path, capsys):
+    import numpy as np
+    from PIL import Image
+    argv = [*TRAIN_ARGS, "--check-only", "1", "--output-dir", str(tmp_path / "o")]
+    data = own_data(tmp_path, [[[0, 1] * 3] * 4])
+    many = {"names": [f"c{i}" for i in range(256)]}
+    with open(os.path.join(data, "classes.json"), "w") as f:
+        json.dump(many, f)
+    line = main_fails(["--data", data, *argv], capsys)
+    assert "names 256 classes, but a mask of 8 bits a pixel holds at most 255 classes beside its ignore_index" in line
+    with open(os.path.join(data, "classes.json"), "w") as f:
+        json.dump({"names": ["a", "b"]}, f)
+    Image.new("RGB", (6, 4)).save(os.path.join(data, "images", "val", "y.webp"))
+    line = main_fails(["--data", data, *argv], capsys)
+    assert "y.webp: images are .jpg, .jpeg, .png files, and this format is not read" in line, line
+    os.remove(os.path.join(data, "images", "val", "y.webp"))
+    Image.new("L", (6, 4)).save(os.path.join(data, "masks", "val", "x0.jpg"))
+    line = main_fails(["--data", data, *argv], capsys)
+    assert "x0.jpg: masks are PNGs: JPEG's compression changes class indices" in line, line
+    os.remove(os.path.join(data, "masks", "val", "x0.jpg"))
+    exif = Image.Exif()
+    exif[0x0112] = 6  # a phone photo stored 6x4, seen 4x6; its mask drawn on the stored picture
+    Image.fromarray(np.zeros((4, 6, 3), np.uint8)).save(os.path.join(data, "images", "val", "x0.jpg"), exif=exif)
+    os.remove(os.path.join(data, "images", "val", "x0.png"))
+    line = main_fails(["--data", data, *argv], capsys)
+    assert "is 6x4 but its image is 4x6 as its EXIF orientation turns it (stored 6x4)" in line, line

@@ -24,7 +24,8 @@ import torch
 import main
 from harness import checkpoints, job, paths, recovery, stops
 from conftest import (ROOT, SLOW_ARGS, TRAIN_ARGS, built_once, checkpoint_of, cpu_env, finish_ranks, fork_main,
-                      fork_ranks, free_port, main_fails, metrics, processes_mentioning, run_sh_workers_line, wait_in_file)
+                      fork_ranks, free_port, main_fails, metrics, predict_fails, processes_mentioning, run_sh_workers_line,
+                      wait_in_file)
 
 PY = sys.executable
 
@@ -945,3 +946,69 @@ def test_a_resume_that_changes_the_learning_rates_base_says_so(tiny_data, tmp_pa
     capsys.readouterr()
     main.main(main.get_args_parser().parse_args([*common, "--resume", "auto", "-b", "4"]))  # 0.1 x 4/4
     assert "note: the learning rate's base is 0.1 now, 0.05 before (--lr 0.1 x 4/4)" in capsys.readouterr().out
+
+
+# --- out of memory: one line, said by the rank that ran out, no restart ----------------------------------------------
+def _runs_out_of_memory(monkeypatch, when, cpu=False):
+    """DeepLab's forward raises torch.OutOfMemoryError (as CUDA's allocator does; cpu: the RuntimeError the CPU's
+    allocator raises) when when(calls, training) says; the device's memory reads 24 GiB, 22.5 at the peak."""
+    import models
+    from harness import recovery
+    forward, calls = models.DeepLab.forward, []
+
+    def forward_or_out_of_memory(self, images):
+        calls.append(1)
+        if when(len(calls), torch.is_grad_enabled()):
+            if cpu:
+                raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate "
+                                   "memory: you tried to allocate 2147483648 bytes. Error code 12")
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return forward(self, images)
+    monkeypatch.setattr(models.DeepLab, "forward", forward_or_out_of_memory)
+    monkeypatch.setattr(recovery, "memory_figures", lambda: ("GPU 0", 24.0, 22.5))
+
+
+@pytest.mark.usefixtures("on_the_cpu")
+def test_out_of_memory_in_a_step_or_the_evaluation_ends_in_one_line_that_says_what_to_change(tiny_data, tmp_path,
+                                                                                             monkeypatch, capsys):
+    common = ["--data", tiny_data, *TRAIN_ARGS, "--epochs", "1"]
+    _runs_out_of_memory(monkeypatch, lambda calls, training: calls == 3)  # the third step
+    line = main_fails(common + ["--output-dir", str(tmp_path / "a")], capsys)
+    assert line == ("main.py: error: out of memory in a training step (-b 2 per process x --accum-steps 1, crop 32x32, "
+                    "fp32; GPU 0: 24.0 GiB in all, 22.5 GiB at the peak): try --amp bf16, -b 1 --accum-steps 2 (the "
+                    "same global batch), or a smaller --crop-size"), line
+    assert not os.path.exists(tmp_path / "a" / "checkpoint.pth")
+    _runs_out_of_memory(monkeypatch, lambda calls, training: not training)  # the first val image
+    line = main_fails(common + ["--output-dir", str(tmp_path / "b"), "--amp", "bf16"], capsys)
+    assert line == ("main.py: error: out of memory in the evaluation (val images whole, at full resolution, one at a "
+                    "time, bf16; GPU 0: 24.0 GiB in all, 22.5 GiB at the peak): try a sliding window, --eval-crop 769 "
+                    "(mmsegmentation's)"), line
+    monkeypatch.setenv("DEEPLAB_RUN_SH", "1")  # the advice as run.sh's user types it; the CPU's allocator this time
+    _runs_out_of_memory(monkeypatch, lambda calls, training: training, cpu=True)
+    line = main_fails(common + ["--output-dir", str(tmp_path / "c"), "-b", "3", "--accum-steps", "2"], capsys)
+    assert line.endswith("try --amp bf16, -b 1 --accum-steps 6 (the same global batch), or a smaller --crop-size "
+                         "(after ./run.sh)"), line
+
+
+@pytest.mark.usefixtures("on_the_cpu")
+def test_out_of_memory_in_predict_py_ends_in_one_line(trained, tmp_path, monkeypatch, capsys):
+    _runs_out_of_memory(monkeypatch, lambda calls, training: True)
+    line = predict_fails(["--resume", os.path.join(trained, "best.pth"), os.path.join(trained, "vis"), "-j", "0",
+                           "--output-dir", str(tmp_path / "p")], capsys)
+    assert line == ("predict.py: error: out of memory in a prediction (-b 4 images of one size per forward, whole, at "
+                    "full resolution, fp32; GPU 0: 24.0 GiB in all, 22.5 GiB at the peak): try --amp bf16, -b 1, or "
+                    "a sliding window, --eval-crop 769"), line
+
+
+@pytest.mark.usefixtures("on_the_cpu")
+def test_a_master_port_taken_by_another_program_is_named(tiny_data, tmp_path, monkeypatch, capsys):
+    import socket
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        for name, value in {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                            "MASTER_PORT": port}.items():
+            monkeypatch.setenv(name, value)
+        line = main_fails(["--data", tiny_data, "--output-dir", str(tmp_path / "out"), *TRAIN_ARGS], capsys)
+    assert f"MASTER_PORT {port} is taken on this machine by another program (another run?): give another" in line, line

@@ -4,6 +4,7 @@ import contextlib
 import multiprocessing
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -14,9 +15,9 @@ import torch
 
 import dataset
 import main
-from harness import checkpoints, job, stops
-from conftest import (ROOT, TRAIN_ARGS, cpu_env, fork_main, free_port, no_shared_memory_in_workers, one_error_line,
-                      processes_mentioning, wait_in_file)
+from harness import checkpoints, job, paths, stops
+from conftest import (ROOT, TRAIN_ARGS, cpu_env, fingerprint, fork_main, free_port, no_shared_memory_in_workers,
+                      one_error_line, processes_mentioning, wait_in_file)
 
 
 
@@ -368,3 +369,73 @@ def test_a_data_worker_that_dies_or_finds_no_shared_memory_ends_in_one_line(tiny
         assert "shared memory (/dev/shm" in line and "--shm-size=8g" in line, line
     assert ("give -j 1 or -j 0" in line or how in ("too many open files", "another cause")) \
         and "run the same command with --resume auto" in line, line
+
+
+@pytest.mark.usefixtures("on_the_cpu")
+def test_the_advice_after_a_stop_continues_the_run_instead_of_starting_over(tiny_data, trained, tmp_path,
+                                                                              monkeypatch, capsys):
+    import dataset
+    import signal
+    out = str(tmp_path / "out")
+    shutil.copytree(trained, out)
+    read = dataset.SegmentationFiles.__getitem__
+
+    def signal_at_the_first_read(self, index):  # SIGTERM during the first step: the ranks stop one step later
+        if self.crop_size is not None and job.RUN.stops.signal is None:
+            stops._on_signal(signal.SIGTERM, None)
+        return read(self, index)
+    monkeypatch.setattr(dataset.SegmentationFiles, "__getitem__", signal_at_the_first_read)
+    common = ["--data", tiny_data, "--output-dir", out, *TRAIN_ARGS, "--epochs", "2"]
+    best = os.path.join(out, "best.pth")
+    main.main(main.get_args_parser().parse_args(common + ["--resume", best]))
+    said = capsys.readouterr().out
+    assert "stopped by signal 15 at epoch 1 step 2/4" in said, said
+    assert f"run the same command with --resume auto in place of --resume {best}" in said, said
+    monkeypatch.setattr(dataset.SegmentationFiles, "__getitem__", read)
+    stop = tmp_path / "stop"
+    stop.write_text("TERM")  # run.sh writes the first signal here: a worker started (again) after it ends at once
+    monkeypatch.setenv("DEEPLAB_STOP_FILE", str(stop))
+    before = fingerprint(out)
+    with pytest.raises(SystemExit) as exit_info:
+        main.main(main.get_args_parser().parse_args(common + ["--resume", "auto"]))
+    said = capsys.readouterr().out
+    assert exit_info.value.code == 0 and "stopped before it began its work" in said and fingerprint(out) == before, said
+    monkeypatch.delenv("DEEPLAB_STOP_FILE")
+    main.main(main.get_args_parser().parse_args(common + ["--resume", "auto"]))  # the advice, followed
+    said = capsys.readouterr().out
+    assert f"resuming from {os.path.join(out, 'checkpoint.pth')} at epoch 1 after step 2" in said, said
+
+
+@pytest.mark.usefixtures("on_the_cpu")
+@pytest.mark.parametrize("moment, target", [
+    ("taking the output folder", (paths, "_open_and_lock")),
+    ("checking a checkpoint's CRC-32s", (__import__("zipfile").ZipFile, "testzip")),
+    ("reading a checkpoint", (torch, "load")),
+    ("checking the data", (__import__("dataset"), "seen_size")),
+    ("building the model", (main, "build_model")),
+])
+def test_a_stop_at_any_moment_before_training_ends_the_run_and_changes_nothing(moment, target, tiny_data, trained,
+                                                                                tmp_path, monkeypatch, capsys):
+    """The stop signal, sent to this process at that moment, ends the run there: never taken for a damaged file
+    by code that catches errors (the checkpoint rewound to the one before it, a good image called unreadable)."""
+    import signal
+    out = str(tmp_path / "out")
+    shutil.copytree(trained, out)
+    shutil.copy(os.path.join(out, "checkpoint.pth"), os.path.join(out, "checkpoint.prev.pth"))
+    before = fingerprint(out)
+    owner, name = target
+    real, sent = getattr(owner, name), []
+
+    def stopped_there(*args, **kwargs):
+        if not sent:
+            sent.append(signal.SIGTERM)
+            os.kill(os.getpid(), signal.SIGTERM)  # its handler runs at the next bytecode: in here
+        return real(*args, **kwargs)
+    monkeypatch.setattr(owner, name, stopped_there)
+    main.main(main.get_args_parser().parse_args(["--data", tiny_data, "--output-dir", out, *TRAIN_ARGS, "--epochs",
+                                                 "2", "--resume", "auto"]))
+    said = capsys.readouterr()
+    assert sent and "Traceback" not in said.err, said
+    assert f"stopped by signal {int(signal.SIGTERM)} before training began: nothing was trained" in said.out, said
+    assert not any(word in said.out + said.err for word in ("warning", "damaged", "cannot", "error")), said
+    assert fingerprint(out) == before  # no rewind, nothing set aside, the folder let go
