@@ -235,13 +235,25 @@ def one_error_line(capsys, prefix="main.py: error: "):
     return errors[0]
 
 
-def main_fails(argv, capsys, code=1):
-    """main.main() on argv, in this process, ends with exit code `code` and one error line. -> that line."""
-    import main
-    with pytest.raises(SystemExit) as exit_info:
-        main.main(main.get_args_parser().parse_args(argv))
-    assert exit_info.value.code == code
-    return one_error_line(capsys)
+def run_main(argv, capsys=None, code=None, program="main"):
+    """main() of the module program (main.py's, predict.py's) on argv, parsed by its own parser, in this process: as
+    its command line runs it, without the seconds a fresh interpreter takes to import torch. code: the exit status
+    it must end with (SystemExit), None for none. -> what it printed on stdout, with capsys (read, so that the
+    next read starts after it)."""
+    module = importlib.import_module(program)
+    if code is None:
+        module.main(module.get_args_parser().parse_args(argv))
+    else:
+        with pytest.raises(SystemExit) as exit_info:
+            module.main(module.get_args_parser().parse_args(argv))
+        assert exit_info.value.code == code
+    return capsys.readouterr().out if capsys else None
+
+
+def main_fails(argv, capsys, code=1, program="main"):
+    """run_main(argv) ends with exit code `code` and one error line. -> that line."""
+    run_main(argv, code=code, program=program)
+    return one_error_line(capsys, f"{program}.py: error: ")
 
 
 def no_shared_memory_in_workers(monkeypatch, words="unable to allocate shared memory(shm) for file </torch_4242_0_1>: "
@@ -431,9 +443,8 @@ def straight(data24, tmp_path_factory):
 @pytest.fixture(scope="session")
 def trained(tiny_data, tmp_path_factory):
     """A real run's output folder: one epoch on tiny_data, in-process, one process (Cityscapes' 19 classes)."""
-    import main
-    return built_once(tmp_path_factory, "trained", lambda out: main.main(main.get_args_parser().parse_args([
-        "--data", tiny_data, "--output-dir", out, "--epochs", "1", *TRAIN_ARGS])))
+    return built_once(tmp_path_factory, "trained", lambda out: run_main(["--data", tiny_data, "--output-dir", out,
+                                                                          "--epochs", "1", *TRAIN_ARGS]))
 
 
 @pytest.fixture(scope="session")
@@ -457,15 +468,6 @@ def previous_run(tmp_path):
 def fingerprints(*folders):
     """{folder: fingerprint(folder)} of each folder: what a test compares before and after."""
     return {folder: fingerprint(folder) for folder in folders}
-
-
-def predict_fails(argv, capsys):
-    """predict.main() on argv, in this process, ends with exit code 1 and one error line. -> that line."""
-    import predict
-    with pytest.raises(SystemExit) as exit_info:
-        predict.main(predict.get_args_parser().parse_args(argv))
-    assert exit_info.value.code == 1
-    return one_error_line(capsys, "predict.py: error: ")
 
 
 def own_data(tmp_path, masks, names=("background", "cat"), ignore=255, image_size=(6, 4), suffix=".png"):

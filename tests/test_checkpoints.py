@@ -12,7 +12,7 @@ import torch
 
 import main
 from harness import checkpoints, errors, paths, stops
-from conftest import TRAIN_ARGS, fingerprint, fingerprints, main_fails, one_error_line
+from conftest import TRAIN_ARGS, fingerprint, fingerprints, main_fails, run_main
 
 
 pytestmark = pytest.mark.usefixtures("on_the_cpu")
@@ -35,14 +35,11 @@ def test_checkpoints_that_cannot_resume_training(tiny_data, trained, tmp_path, c
     common = ["--data", tiny_data, "--output-dir", out, *TRAIN_ARGS]
     # A requeued job that had already finished: nothing to do, and it says so (exit 0). run.sh's check (--check-only)
     # says it in the same words and exits 3, so that run.sh starts no worker to say it again (test_launch).
-    main.main(main.get_args_parser().parse_args(common + ["--epochs", "1", "--resume", "auto"]))
-    said = capsys.readouterr().out
+    said = run_main(common + ["--epochs", "1", "--resume", "auto"], capsys)
     assert "nothing to train" in said and "done" not in said, said
-    with pytest.raises(SystemExit) as exit_info:
-        main.main(main.get_args_parser().parse_args(common + ["--epochs", "1", "--resume", "auto",
-                                                               "--check-only", "2"]))
-    assert exit_info.value.code == errors.NOTHING_TO_TRAIN == 3  # run.sh reads 3
-    assert capsys.readouterr().out == said.splitlines(keepends=True)[-1]  # the line main.py's train() says
+    assert errors.NOTHING_TO_TRAIN == 3  # run.sh reads 3
+    checked = run_main(common + ["--epochs", "1", "--resume", "auto", "--check-only", "2"], capsys, code=3)
+    assert checked == said.splitlines(keepends=True)[-1]  # the line main.py's train() says
     assert fingerprint(out) == before
     line = main_fails(common + ["--epochs", "3", "--resume", os.path.join(out, "checkpoint.pth"), "--start-epoch",
                                  "1"], capsys)
@@ -52,7 +49,7 @@ def test_checkpoints_that_cannot_resume_training(tiny_data, trained, tmp_path, c
     line = main_fails(common + ["--epochs", "3", "--resume", weights], capsys)
     assert "weights only" in line and "-e" in line, line
     assert fingerprint(out) == before  # neither mistake touched the run
-    main.main(main.get_args_parser().parse_args(common + ["-e", "--resume", weights]))  # enough for -e
+    run_main(common + ["-e", "--resume", weights])  # enough for -e
     assert "mIoU" in capsys.readouterr().out
     empty = str(tmp_path / "empty")
     line = main_fails(["--data", tiny_data, "--output-dir", empty, *TRAIN_ARGS, "-e", "--resume", "auto"], capsys)
@@ -104,7 +101,7 @@ def test_the_advice_for_a_model_of_other_classes_leads_to_a_command_that_works(t
     line = main_fails(common + ["--output-dir", out, "--weights", weights, "--overwrite"], capsys)
     assert "belongs to the run that --overwrite moves aside" in line and "another --output-dir" in line, line
     assert fingerprints(out, folder_data) == before  # none of the three touched a file
-    main.main(main.get_args_parser().parse_args(common + ["--output-dir", new, "--weights", weights]))  # the advice
+    run_main(common + ["--output-dir", new, "--weights", weights])  # the advice
     assert "starts afresh" in capsys.readouterr().out
     assert fingerprints(out, folder_data) == before and os.path.isfile(os.path.join(new, "best.pth"))
 
@@ -112,13 +109,12 @@ def test_the_advice_for_a_model_of_other_classes_leads_to_a_command_that_works(t
 def test_a_rewind_keeps_what_it_drops_and_says_so(tiny_data, tmp_path, capsys):
     out = str(tmp_path / "out")
     common = ["--data", tiny_data, "--output-dir", out, *TRAIN_ARGS, "--epochs", "2"]
-    main.main(main.get_args_parser().parse_args(common))
+    run_main(common)
     with open(os.path.join(out, "metrics.jsonl")) as f:
         lines = f.readlines()
     newer = fingerprint(out)
     capsys.readouterr()
-    main.main(main.get_args_parser().parse_args(common + ["--resume", os.path.join(out, "checkpoint.prev.pth")]))
-    said = capsys.readouterr().out
+    said = run_main(common + ["--resume", os.path.join(out, "checkpoint.prev.pth")], capsys)
     assert "rewinds this run; what came after it is kept" in said and "1 later epoch(s)" in said, said
     names = os.listdir(out)
     [checkpoint] = [n for n in names if n.startswith("checkpoint.rewound-")]
@@ -139,7 +135,7 @@ def test_a_folder_or_a_ddp_state_dict_or_backbone_weights_given_as_a_checkpoint(
     weights = torch.load(os.path.join(trained, "best.pth"), weights_only=True)["model"]
     wrapped = str(tmp_path / "ddp.pth")  # torch.save(ddp_model.state_dict()): every key "module.…"
     torch.save({f"module.{key}": value for key, value in weights.items()}, wrapped)
-    main.main(main.get_args_parser().parse_args(common + ["-e", "--resume", wrapped]))
+    run_main(common + ["-e", "--resume", wrapped])
     assert "mIoU" in capsys.readouterr().out
     backbone = str(tmp_path / "mobilenet_v3_large.pth")  # a classification network's weights, as torchvision's
     torch.save({"features.0.0.weight": torch.zeros(16, 3, 3, 3), "classifier.0.weight": torch.zeros(1280, 960)},
@@ -193,9 +189,8 @@ def test_a_run_rewound_to_checkpoint_prev_saves_every_epoch_after(tiny_data, tra
     shutil.copytree(trained, out)
     # checkpoint.pth lost (the end of epoch 1, say): the run goes on from the one before it, a rewind.
     os.rename(os.path.join(out, "checkpoint.pth"), os.path.join(out, "checkpoint.prev.pth"))
-    main.main(main.get_args_parser().parse_args(["--data", tiny_data, "--output-dir", out, *TRAIN_ARGS, "--resume",
-                                                 "auto", "--epochs", "3"]))  # epochs 1 and 2, each saved
-    said = capsys.readouterr().out
+    said = run_main(["--data", tiny_data, "--output-dir", out, *TRAIN_ARGS, "--resume", "auto", "--epochs", "3"],
+                     capsys)  # epochs 1 and 2, each saved
     assert "rewinds this run" in said and "done: best mIoU" in said and "cannot write" not in said, said
     checkpoint, previous = os.path.join(out, "checkpoint.pth"), os.path.join(out, "checkpoint.prev.pth")
     assert checkpoints.read("--resume", checkpoint)["epoch"] == 3
@@ -224,8 +219,7 @@ def test_nothing_a_killed_save_or_a_rewind_leaves_stops_a_later_save(tiny_data, 
     assert torch.load(out / "checkpoint.prev.pth", weights_only=True)["epoch"] == 2
     assert "checkpoint.prev.pth.1.tmp" in os.listdir(out)  # a name no save uses again
     # The next run holds the folder: no live run writes there, and what killed saves left goes.
-    main.main(main.get_args_parser().parse_args(["--data", tiny_data, "--output-dir", str(out), *TRAIN_ARGS,
-                                                 "--epochs", "3", "--resume", "auto"]))
+    run_main(["--data", tiny_data, "--output-dir", str(out), *TRAIN_ARGS, "--epochs", "3", "--resume", "auto"])
     assert "nothing to train" in capsys.readouterr().out
     assert not [name for name in os.listdir(out) if name.endswith(".tmp")], os.listdir(out)
 
@@ -234,13 +228,11 @@ def test_a_torchrun_restart_keeps_what_the_first_attempt_started_from(tiny_data,
                                                                        capsys):
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
     best, common = os.path.join(trained, "best.pth"), ["--data", tiny_data, *TRAIN_ARGS]
-    main.main(main.get_args_parser().parse_args(common + ["--output-dir", str(tmp_path / "e"), "-e", "--resume",
-                                                          best]))
+    run_main(common + ["--output-dir", str(tmp_path / "e"), "-e", "--resume", best])
     with open(tmp_path / "e" / "eval.json") as f:
         assert json.load(f)["checkpoint"] == best  # -e evaluates what it was given, restarted or not
     out = str(tmp_path / "new")  # the first attempt died before its first checkpoint
-    main.main(main.get_args_parser().parse_args(common + ["--output-dir", out, "--resume", best, "--epochs", "2"]))
-    said = capsys.readouterr().out
+    said = run_main(common + ["--output-dir", out, "--resume", best, "--epochs", "2"], capsys)
     assert f"resuming from {best} at the start of epoch 1" in said and "starting afresh" not in said, said
 
 
@@ -279,8 +271,7 @@ def test_a_checkpoint_this_user_may_not_read_or_that_is_no_file_is_named_as_such
     os.replace(checkpoint, elsewhere)
     os.symlink(elsewhere, checkpoint)
     kept = fingerprint(os.path.dirname(elsewhere))
-    main.main(main.get_args_parser().parse_args(common + ["--resume", "auto"]))
-    said = capsys.readouterr().out
+    said = run_main(common + ["--resume", "auto"], capsys)
     assert f"note: {checkpoint} is a symbolic link to {elsewhere}: the run reads it" in said, said
     assert f"resuming from {checkpoint} at the start of epoch 1" in said and "done: best mIoU" in said, said
     assert not os.path.islink(checkpoint) and checkpoints.read("--resume", checkpoint)["epoch"] == 2
@@ -297,7 +288,6 @@ def _damage(path, at=0.5):
 
 def test_a_damaged_checkpoint_is_refused_by_every_reader_and_resume_auto_falls_back(tiny_data, trained, tmp_path,
                                                                                    capsys):
-    import predict
     out = str(tmp_path / "out")
     shutil.copytree(trained, out)
     best = os.path.join(out, "best.pth")
@@ -311,12 +301,9 @@ def test_a_damaged_checkpoint_is_refused_by_every_reader_and_resume_auto_falls_b
     line = main_fails(common + ["--output-dir", str(tmp_path / "w"), "--weights", best, "--epochs", "1"], capsys)
     assert f"--weights {best} is damaged" in line, line
     for argv in ([str(tmp_path), "--output-dir", str(tmp_path / "p")], ["--export", str(tmp_path / "m.onnx")]):
-        with pytest.raises(SystemExit):
-            predict.main(predict.get_args_parser().parse_args(["--resume", best, *argv]))
-        assert damaged in one_error_line(capsys, "predict.py: error: ")
+        assert damaged in main_fails(["--resume", best, *argv], capsys, program="predict")
     _damage(os.path.join(out, "checkpoint.pth"), at=0.3)
-    main.main(main.get_args_parser().parse_args(common + ["--output-dir", out, "--epochs", "2", "--resume", "auto"]))
-    said = capsys.readouterr().out
+    said = run_main(common + ["--output-dir", out, "--epochs", "2", "--resume", "auto"], capsys)
     assert "checkpoint.pth is damaged" in said and "using the one before it" in said, said
     assert "at the start of epoch 1" in said and "done:" in said, said
 
@@ -417,10 +404,9 @@ def test_a_checkpoint_of_another_version_is_refused_in_one_line_before_training(
     assert fingerprint(out) == before  # nothing trained, nothing written
     if expect.startswith("its optimizer is not SGD's"):  # the advice, the same in every case, followed once
         advised = re.search(r"fine-tuning into a new run: (--weights \S+) --output-dir NEW$", line).group(1).split()
-        main.main(main.get_args_parser().parse_args(common[:-1] + ["1", "--output-dir", str(tmp_path / "new"),
-                                                                   *advised]))
+        run_main(common[:-1] + ["1", "--output-dir", str(tmp_path / "new"), *advised])
         assert os.path.isfile(tmp_path / "new" / "checkpoint.pth")
-        main.main(main.get_args_parser().parse_args(common + ["--output-dir", out, "-e", "--resume", path]))
+        run_main(common + ["--output-dir", out, "-e", "--resume", path])
         assert "mIoU" in capsys.readouterr().out
 
 
@@ -429,19 +415,17 @@ def test_an_older_checkpoint_that_is_whole_still_resumes_and_a_new_one_says_its_
     """A checkpoint without the format number (every version before it) resumes when what it holds fits: without
     epoch_loss_sum at an epoch's start (it is 0 there), its classes without colours (predict.py draws them in
     Cityscapes' own). What the run writes next says this version's format."""
-    import predict
     out = str(tmp_path / "out")
     shutil.copytree(trained, out)
     _another_version(trained, os.path.join(out, "checkpoint.pth"),
                      lambda s: s.pop("epoch_loss_sum") and s["classes"].pop("colors"))
-    main.main(main.get_args_parser().parse_args(["--data", tiny_data, "--output-dir", out, *TRAIN_ARGS, "--epochs",
-                                                 "2", "--resume", "auto"]))
+    run_main(["--data", tiny_data, "--output-dir", out, *TRAIN_ARGS, "--epochs", "2", "--resume", "auto"])
     assert "resuming from" in capsys.readouterr().out
     for name in ("checkpoint.pth", "best.pth"):
         assert checkpoints.read("--resume", os.path.join(out, name))["format"] == checkpoints.FORMAT
     colourless = _another_version(trained, str(tmp_path / "colourless.pth"), lambda s: s["classes"].pop("colors"))
-    predict.main(predict.get_args_parser().parse_args([os.path.join(tiny_data, "leftImg8bit", "val"), "--resume",
-                                                       colourless, "-j", "0", "--output-dir", str(tmp_path / "p")]))
+    run_main([os.path.join(tiny_data, "leftImg8bit", "val"), "--resume", colourless, "-j", "0", "--output-dir",
+              str(tmp_path / "p")], program="predict")
     assert len(os.listdir(tmp_path / "p" / "color")) == 3  # 5 images in 3 city folders
 
 
@@ -451,9 +435,8 @@ def test_a_step_past_the_end_of_its_epoch_finishes_that_epoch(tiny_data, trained
     out = str(tmp_path / "out")
     os.makedirs(out)
     _another_version(trained, os.path.join(out, "checkpoint.pth"), lambda s: s.update(epoch=0, step=100))
-    main.main(main.get_args_parser().parse_args(["--data", tiny_data, "--output-dir", out, *TRAIN_ARGS, "--epochs",
-                                                 "1", "--resume", "auto"]))
-    said = capsys.readouterr().out
+    said = run_main(["--data", tiny_data, "--output-dir", out, *TRAIN_ARGS, "--epochs", "1", "--resume",
+                     "auto"], capsys)
     assert ("is at step 100 of epoch 0, and an epoch has 4 steps now (8 training images, a global batch of 2): epoch "
             "0's training is done; it is evaluated and saved") in said, said
     assert "epoch 0 step" not in said  # no step trained
@@ -467,16 +450,13 @@ def test_a_step_past_the_end_of_its_epoch_finishes_that_epoch(tiny_data, trained
 def test_a_newer_version_s_checkpoint_is_named_as_such_by_every_reader(reader, tiny_data, trained, tmp_path, capsys):
     """A checkpoint of a newer version (a model this one does not build, a higher format number) is said to be one,
     not sent to a --model this version refuses, nor called another network."""
-    import predict
     for number, change in enumerate([lambda s: s.update(format=checkpoints.FORMAT + 1),
                                      lambda s: s["args"].update(model="deeplabv3plus_resnet152")]):
         path = _another_version(trained, str(tmp_path / f"newer{number}.pth"), change)
         argv = {"--resume": ["--resume", path, "--epochs", "2"], "-e": ["-e", "--resume", path],
                 "--weights": ["--weights", path]}.get(reader)
         if argv is None:
-            with pytest.raises(SystemExit):
-                predict.main(predict.get_args_parser().parse_args([tiny_data, "--resume", path]))
-            line = one_error_line(capsys, "predict.py: error: ")
+            line = main_fails([tiny_data, "--resume", path], capsys, program="predict")
         else:
             line = main_fails(["--data", tiny_data, "--output-dir", str(tmp_path / "out"), *TRAIN_ARGS, *argv], capsys)
         flag = "--weights" if reader == "--weights" else "--resume"
@@ -498,7 +478,7 @@ def test_a_line_names_where_the_model_it_builds_came_from(tiny_data, trained, tm
     assert (f"--resume {path} does not fit deeplabv3plus_resnet101, the default model (no --model given, and it names "
             "none)") in line, line
     advised = re.search(r"give (--model \S+)$", line).group(1).split()
-    main.main(main.get_args_parser().parse_args(common[:typed] + common[typed + 2:] + advised))
+    run_main(common[:typed] + common[typed + 2:] + advised)
     assert "mIoU" in capsys.readouterr().out
     line = main_fails(common[:typed] + ["--model", "deeplabv3_resnet50"] + common[typed + 2:] + ["--resume",
                        os.path.join(trained, "best.pth")], capsys)
@@ -514,8 +494,7 @@ def test_lines_a_user_added_to_metrics_jsonl_are_kept_on_resume(tiny_data, train
     with open(os.path.join(out, "metrics.jsonl"), "a") as f:
         f.write('# lr lowered by hand from here\n{"note": "a JSON note of mine"}\n{"epoch": 1, "iteration": 8, '
                 '"miou": 0.5}\nlast note, no newline')
-    main.main(main.get_args_parser().parse_args(["--data", tiny_data, "--output-dir", out, *TRAIN_ARGS, "--epochs",
-                                                 "2", "--resume", "auto"]))
+    run_main(["--data", tiny_data, "--output-dir", out, *TRAIN_ARGS, "--epochs", "2", "--resume", "auto"])
     with open(os.path.join(out, "metrics.jsonl")) as f:
         lines = f.read().splitlines()
     assert [line[:11] for line in lines] == ['{"epoch": 0', "# lr lowere", '{"note": "a', "last note, ",
@@ -606,9 +585,8 @@ def test_a_mid_epoch_resume_on_another_training_list_ends_that_epoch_and_says_so
         checkpoint["step"] = 1  # stopped after step 1 of epoch 1's 4
         checkpoint["train_list"] = other
         torch.save(checkpoint, out / "checkpoint.pth")
-        main.main(main.get_args_parser().parse_args(["--data", tiny_data, "--output-dir", str(out), *TRAIN_ARGS,
-                                                     "--epochs", "2", "--resume", "auto"]))
-        output = capsys.readouterr().out
+        output = run_main(["--data", tiny_data, "--output-dir", str(out), *TRAIN_ARGS, "--epochs", "2", "--resume",
+                           "auto"], capsys)
         note = (f"note: {out / 'checkpoint.pth'} was saved part-way through epoch 1 on another training list ("
                 + ("12 images then, 8 now" if other["images"] == 12 else "8 images then and now, not the same ones")
                 + "): epoch 1's training ends at its step 1 (the rest of its shuffle is of the old list); it is "

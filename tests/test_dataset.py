@@ -13,7 +13,7 @@ from PIL import Image
 from torchvision.transforms.v2 import functional as F
 
 import images
-from conftest import ROOT, TRAIN_ARGS, fingerprint, main_fails
+from conftest import ROOT, TRAIN_ARGS, fingerprint, main_fails, run_main
 import main
 from dataset import (ID_TO_TRAINID, IGNORE_INDEX, TRAINID_TO_ID, BadInput, Cityscapes, open_dataset, read_image,
                      read_label, sample_generator, train_transform)
@@ -449,5 +449,5 @@ def test_a_data_folder_that_cannot_be_listed_is_named_in_one_line(layout, folder
     assert line == (f"main.py: error: {unreadable} cannot be listed (Permission denied): give the user that runs "
                     f"training permission to read it and the folders in it (ls -ld {unreadable}: its owner and mode)")
     os.chmod(unreadable, 0o755)  # the advice followed (as root: the refusal taken away with the patch)
-    main.main(main.get_args_parser().parse_args(argv))  # --check-only: every check passes
+    run_main(argv)  # --check-only: every check passes
     assert "error" not in capsys.readouterr().err

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conftest import (ROOT, SLOW_ARGS, TRAIN_ARGS, built_once, checkpoint_of, fingerprint, finish_ranks, fork_main,
-                      fork_ranks, free_port, metrics, run, run_sh_workers_line)
+                      fork_ranks, free_port, metrics, run, run_main, run_sh_workers_line)
 import main
 from harness import job
 
@@ -90,8 +90,7 @@ def test_each_launch_form_trains_and_evaluates(form, tiny_data, tmp_path, capsys
     elif form == "local_rank":
         log = _manual_launch(common[1:], str(tmp_path / "logs"))
     else:  # python main.py: no launcher, no process group (in this process: the same code, no start-up to wait for)
-        main.main(main.get_args_parser().parse_args(common[1:]))
-        log = capsys.readouterr().out
+        log = run_main(common[1:], capsys)
     world_size = 1 if form == "plain" else 2
     assert f"{world_size} process(es)" in log
     [record] = metrics(out)
@@ -103,9 +102,8 @@ def test_each_launch_form_trains_and_evaluates(form, tiny_data, tmp_path, capsys
     assert re.findall(r"^epoch 0: .* mIoU (\S+) \(best", log, re.MULTILINE) == [f"{record['miou']:.4f}"], log
     assert 0 <= record["miou"] <= 1
     again = str(tmp_path / "again")
-    main.main(main.get_args_parser().parse_args(["--data", tiny_data, "--output-dir", out, *TRAIN_ARGS, "-e",
-                                                 "--resume", os.path.join(out, "checkpoint.pth"),
-                                                 "--save-predictions", again]))
+    run_main(["--data", tiny_data, "--output-dir", out, *TRAIN_ARGS, "-e", "--resume",
+              os.path.join(out, "checkpoint.pth"), "--save-predictions", again])
     with open(os.path.join(out, "eval.json")) as f:
         result = json.load(f)
     assert result["num_images"] == 5 and result["miou"] == record["miou"]
@@ -175,7 +173,7 @@ def test_run_sh_resumes_by_itself_bitwise_where_a_run_left_off_and_evaluates_its
                                      "--save-predictions", predictions, *TRAIN_ARGS)
     with monkeypatch.context() as under_run_sh:
         under_run_sh.setenv("DEEPLAB_RUN_SH", "1")
-        main.main(main.get_args_parser().parse_args(evaluation + ["--check-only", "2"]))
+        run_main(evaluation + ["--check-only", "2"])
     job.RUN.env = job.Environment()  # what the check read under run.sh reset, as other tests do
     finish_ranks(fork_ranks(evaluation, str(tmp_path / "logs")))
     with open(os.path.join(out, "eval.json")) as f:

@@ -12,7 +12,7 @@ import torch
 
 import main
 from harness import checkpoints, errors, paths, stops
-from conftest import ROOT, TRAIN_ARGS, fingerprint, fingerprints, main_fails, predict_fails
+from conftest import ROOT, TRAIN_ARGS, fingerprint, fingerprints, main_fails, run_main
 
 
 pytestmark = pytest.mark.usefixtures("on_the_cpu")
@@ -35,8 +35,7 @@ def test_overwrite_moves_a_previous_run_aside_and_resume_auto_does_not_replace_i
     line = main_fails(common, capsys)
     assert "holds another run" in line and "no checkpoint to continue from" in line, line
     assert fingerprint(previous_run) == before
-    main.main(main.get_args_parser().parse_args(common + ["--overwrite"]))  # as ./run.sh --overwrite runs it
-    said = capsys.readouterr().out
+    said = run_main(common + ["--overwrite"], capsys)  # as ./run.sh --overwrite runs it
     [moved] = [os.path.join(previous_run, name) for name in os.listdir(previous_run) if name.startswith("replaced-")]
     assert "resuming" not in said and f"is now in {moved}" in said, said
     assert fingerprint(moved) == before  # nothing deleted: the old run whole, pictures included, beside the new one
@@ -113,11 +112,10 @@ def test_missing_folders_are_made_and_a_place_that_cannot_be_is_named(tiny_data,
     line = main_fails(["--data", tiny_data, "--output-dir", str(blocker / "runs" / "x"), *TRAIN_ARGS], capsys)
     assert f"cannot be written ({blocker} is a file)" in line, line
     out = tmp_path / "runs" / "deep" / "x"
-    main.main(main.get_args_parser().parse_args(["--data", tiny_data, "--output-dir", str(out), *TRAIN_ARGS,
-                                                 "--check-only", "1"]))
+    run_main(["--data", tiny_data, "--output-dir", str(out), *TRAIN_ARGS, "--check-only", "1"])
     assert not out.exists()  # the preflight writes nothing
-    main.main(main.get_args_parser().parse_args(["--data", tiny_data, "--output-dir", str(out), *TRAIN_ARGS,
-                                                 "--epochs", "1", "--save-predictions", str(tmp_path / "p" / "q")]))
+    run_main(["--data", tiny_data, "--output-dir", str(out), *TRAIN_ARGS, "--epochs", "1", "--save-predictions",
+              str(tmp_path / "p" / "q")])
     assert (out / "best.pth").is_file() and len(os.listdir(tmp_path / "p" / "q")) == 5
 
 
@@ -146,7 +144,7 @@ def test_predict_and_export_never_write_over_what_they_read(trained, tmp_path, c
         (["--resume", str(tmp_path / "gone.pth"), str(photos), "--output-dir", str(tmp_path / "p")], "no such file"),
         (["--resume", checkpoint, str(tmp_path / "gone"), "--output-dir", str(tmp_path / "p")], "no such file"),
     ]:
-        line = predict_fails(argv, capsys)
+        line = main_fails(argv, capsys, program="predict")
         assert expect in line, (argv, line)
         assert fingerprints(trained, str(photos), str(tmp_path)) == before  # nothing made, nothing written
     import predict
@@ -208,16 +206,15 @@ def test_a_folder_in_use_is_refused_to_another_run_and_taken_over_from_a_dead_on
                     f"{holder.pid}, since ") in line and "wait for it to end, or give another --output-dir" in line, line
             assert fingerprint(out) == before  # nothing of the refused run there, not even its stop record
         predictions = os.path.join(out, "predictions")  # predict.py's pictures among the files of a run that writes
-        line = predict_fails(["--resume", os.path.join(out, "best.pth"), os.path.join(out, "vis"), "--output-dir",
-                               predictions, "-j", "0"], capsys)
+        line = main_fails(["--resume", os.path.join(out, "best.pth"), os.path.join(out, "vis"), "--output-dir",
+                           predictions, "-j", "0"], capsys, program="predict")
         assert (f"--output-dir {predictions} is inside {out}, which is in use by another run (host "
                 f"{socket.gethostname()}, process {holder.pid}): give another --output-dir") in line, line
         assert fingerprint(out) == before
     finally:
         holder.send_signal(signal.SIGKILL)  # a holder that dies without letting go
         holder.communicate()
-    main.main(main.get_args_parser().parse_args(common + ["--epochs", "2", "--resume", "auto"]))
-    said = capsys.readouterr().out
+    said = run_main(common + ["--epochs", "2", "--resume", "auto"], capsys)
     assert f"was held by host {socket.gethostname()}, process {holder.pid}" in said and "taken over" in said, said
     assert not os.path.exists(os.path.join(out, paths.HOLD))  # let go at the end
 
@@ -237,9 +234,9 @@ def test_a_new_output_folder_is_held_before_anything_in_it_is_decided(tiny_data,
     line = main_fails(common + ["-b", "9"], capsys)  # a mistake found after the hold
     assert "makes a global batch of 9" in line and held_while_deciding == [True], (line, held_while_deciding)
     assert not os.path.exists(tmp_path / "new")  # the folders made for the hold, left empty, go with it
-    main.main(main.get_args_parser().parse_args(common + ["--check-only", "1"]))
+    run_main(common + ["--check-only", "1"])
     assert not os.path.exists(tmp_path / "new")  # the preflight only looks
-    main.main(main.get_args_parser().parse_args(common))
+    run_main(common)
     assert held_while_deciding == [True, False, True] and os.path.isfile(os.path.join(out, "best.pth"))
 
 
@@ -289,7 +286,7 @@ def test_what_stands_where_the_run_writes_is_named_before_any_step(name, make, e
         os.rename(path, tmp_path / "moved away")
     if name == "checkpoint.pth":
         shutil.copy(out / "best.pth", out / "checkpoint.pth")  # (the run's checkpoint back, to go on from)
-    main.main(main.get_args_parser().parse_args(common))
+    run_main(common)
     assert "done: best mIoU" in capsys.readouterr().out
 
 
@@ -316,7 +313,7 @@ def test_no_write_follows_a_link_left_where_the_run_writes(tiny_data, trained, t
         if (tmp_path / "kept").exists():
             os.rename(tmp_path / "kept", link)
     os.symlink(notes, out / "vis" / "epoch_001.png")
-    main.main(main.get_args_parser().parse_args(common))
+    run_main(common)
     assert "done: best mIoU" in capsys.readouterr().out
     assert notes.read_text() == "a user's own notes"
     from PIL import Image
@@ -346,8 +343,7 @@ def test_saves_work_where_the_filesystem_makes_no_hard_links_and_a_name_it_refus
     with monkeypatch.context() as fat:
         for name in ("link", "chmod", "utime"):
             fat.setattr(os, name, refused)
-        main.main(main.get_args_parser().parse_args(["--data", tiny_data, "--output-dir", str(out), *TRAIN_ARGS,
-                                                     "--epochs", "3", "--resume", "auto"]))
+        run_main(["--data", tiny_data, "--output-dir", str(out), *TRAIN_ARGS, "--epochs", "3", "--resume", "auto"])
         assert "cannot write" not in capsys.readouterr().out
         assert checkpoints.read("--resume", str(out / "checkpoint.pth"))["epoch"] == 3
         assert checkpoints.read("--resume", str(out / "checkpoint.prev.pth"))["epoch"] == 2
@@ -380,7 +376,6 @@ def test_predict_s_output_dir_and_save_predictions_are_held_while_written(tiny_d
                                                                           capsys):
     """One folder, one run, for every writer: predict.py holds its --output-dir, and a run its --save-predictions,
     while it writes there, so that a second run into either is refused (the refusal's line: the test above)."""
-    import predict
     from harness import records
     seen = []
     real_write = paths.write_atomically
@@ -390,9 +385,8 @@ def test_predict_s_output_dir_and_save_predictions_are_held_while_written(tiny_d
         return real_write(path, *args, **kwargs)
     with monkeypatch.context() as patch:
         patch.setattr(paths, "write_atomically", noting)
-        predict.main(predict.get_args_parser().parse_args(["--resume", os.path.join(trained, "best.pth"),
-                                                           os.path.join(trained, "vis"), "-j", "0", "--output-dir",
-                                                           str(tmp_path / "p")]))
+        run_main(["--resume", os.path.join(trained, "best.pth"), os.path.join(trained, "vis"), "-j", "0",
+                  "--output-dir", str(tmp_path / "p")], program="predict")
     assert seen and all(seen) and not paths._held(str(tmp_path / "p")), seen  # held while written, let go after
     predictions = str(tmp_path / "predictions")
     watch = records.watch_predictions
@@ -407,9 +401,8 @@ def test_predict_s_output_dir_and_save_predictions_are_held_while_written(tiny_d
         watch(val_set)
     seen.clear()
     monkeypatch.setattr(records, "watch_predictions", noting_predictions)
-    main.main(main.get_args_parser().parse_args(["--data", tiny_data, "--output-dir", str(tmp_path / "e"),
-                                                 *TRAIN_ARGS, "-e", "--resume", os.path.join(trained, "best.pth"),
-                                                 "--save-predictions", predictions]))
+    run_main(["--data", tiny_data, "--output-dir", str(tmp_path / "e"), *TRAIN_ARGS, "-e", "--resume",
+              os.path.join(trained, "best.pth"), "--save-predictions", predictions])
     assert seen and all(seen) and not paths._held(predictions) and os.listdir(predictions), seen
 
 
@@ -423,9 +416,8 @@ def test_a_lock_record_copied_with_its_folder_is_not_taken_for_a_killed_run(tiny
         shutil.copytree(trained, out)
         (out / paths.HOLD).write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
                                                   "started": started, "since": "2026-12-01 10:00:00"}))
-        main.main(main.get_args_parser().parse_args([*TRAIN_ARGS, "--data", tiny_data, "--output-dir", str(out), "-e",
-                                                     "--resume", str(out / "best.pth")]))  # (-e holds it too)
-        output = capsys.readouterr().out
+        output = run_main([*TRAIN_ARGS, "--data", tiny_data, "--output-dir", str(out), "-e", "--resume",
+                           str(out / "best.pth")], capsys)  # (-e holds it too)
         assert ("which ended without letting go" in output) == said and "mIoU" in output, output
 
 
@@ -440,8 +432,7 @@ def test_a_folder_whose_first_save_was_killed_is_started_again_by_the_same_comma
     with open(out / "metrics.jsonl", "a") as f:
         f.write('{"epoch": 0, "itera')  # (a second write of epoch 0's line, cut short by the kill)
     command = ["--data", tiny_data, "--output-dir", str(out), *TRAIN_ARGS, "--epochs", "1", "--resume", "auto"]
-    main.main(main.get_args_parser().parse_args(command))
-    said = capsys.readouterr().out
+    said = run_main(command, capsys)
     assert (f"note: {out} held only what a first epoch stopped before its checkpoint wrote: the run starts again from "
             f"the beginning, and those files are now in {out}/replaced-") in said and "done: best mIoU" in said, said
     assert checkpoints.read("--resume", str(out / "checkpoint.pth"))["epoch"] == 1

@@ -13,7 +13,7 @@ from PIL import Image
 
 from harness import checkpoints
 from conftest import (ROOT, TRAIN_ARGS, built_once, fingerprint, finish_ranks, fork_main, fork_ranks, free_port,
-                      no_shared_memory_in_workers, no_space, one_error_line, run, varied_model)
+                      main_fails, no_shared_memory_in_workers, no_space, run, run_main, varied_model)
 from dataset import CLASS_COLORS, TRAINID_TO_ID
 import predict
 
@@ -104,9 +104,7 @@ def test_torchrun_two_processes_write_every_image_once(checkpoint, tmp_path):
 
 
 def _fails(argv, capsys):
-    with pytest.raises(SystemExit) as stop:
-        predict.main(predict.get_args_parser().parse_args(argv))
-    assert stop.value.code == 1
+    run_main(argv, code=1, program="predict")
     [line] = capsys.readouterr().err.splitlines()
     return line
 
@@ -228,10 +226,8 @@ def test_an_export_that_fails_leaves_the_earlier_one_as_it_was(trained, tmp_path
         raise OSError(28, os.strerror(28))
     monkeypatch.setattr(torch.export, "export", lambda *args, **kwargs: "a program")
     monkeypatch.setattr(torch.export, "save", save_half)
-    with pytest.raises(SystemExit):
-        predict.main(predict.get_args_parser().parse_args(["--resume", os.path.join(trained, "best.pth"),
-                                                            "--export", str(earlier)]))
-    line = one_error_line(capsys, "predict.py: error: ")
+    line = main_fails(["--resume", os.path.join(trained, "best.pth"), "--export", str(earlier)], capsys,
+                      program="predict")
     assert "no space left on device" in line, line
     assert fingerprint(str(tmp_path)) == before
 
@@ -280,9 +276,8 @@ def test_predict_md_s_onnx_lines_run_outside_the_project(exported, tmp_path):
     (tmp_path / "other_machine.py").write_text(other_machine + python_lines("Predict on another machine"))
     run([PY, "other_machine.py"], cwd=str(tmp_path), env={"PYTHONPATH": ""})
     written = np.asarray(Image.open(tmp_path / "street.png"))
-    predict.main(predict.get_args_parser().parse_args([
-        "--resume", os.path.join(exported, "best.pth"), str(tmp_path / "street.jpg"), "--output-dir",
-        str(tmp_path / "out"), "--what", "label", "-j", "0"]))
+    run_main(["--resume", os.path.join(exported, "best.pth"), str(tmp_path / "street.jpg"), "--output-dir",
+              str(tmp_path / "out"), "--what", "label", "-j", "0"], program="predict")
     expected = np.asarray(Image.open(tmp_path / "out" / "trainIds" / "street.jpg.png"))
     assert written.shape == expected.shape == (100, 60) and written.dtype == np.uint8
     assert (written == expected).mean() > 0.999 and len(np.unique(expected)) >= 5
@@ -337,7 +332,6 @@ def test_floating_point_pixels_are_scaled_by_a_rule_that_is_said(checkpoint, tmp
     expected = np.rint(values.astype(np.float64) * 255).astype(np.uint8)
     for name in ("unit.tif", "bytes.tif"):
         assert np.array_equal(read_image(str(inputs / name))[..., 0], expected), name
-    predict.main(predict.get_args_parser().parse_args(["--resume", checkpoint, str(inputs), "-j", "0", "--output-dir",
-                                                       str(tmp_path / "out")]))
+    run_main(["--resume", checkpoint, str(inputs), "-j", "0", "--output-dir", str(tmp_path / "out")], program="predict")
     assert (f"note: 2 image(s) hold floating-point pixels (e.g. {inputs / 'bytes.tif'}): values all within 0-1 are "
             "scaled by 255, others clipped to 0-255") in capsys.readouterr().out

@@ -8,9 +8,8 @@ import shutil
 import pytest
 import torch
 
-import main
 from harness import errors
-from conftest import TRAIN_ARGS, fingerprint, main_fails, one_error_line, own_data
+from conftest import TRAIN_ARGS, fingerprint, main_fails, one_error_line, own_data, run_main
 
 
 pytestmark = pytest.mark.usefixtures("on_the_cpu")
@@ -54,7 +53,7 @@ def test_the_data_folder_as_people_have_it(tiny_data, tmp_path, previous_run, ca
     open(os.path.join(city, ".DS_Store"), "wb").close()
     before = fingerprint(previous_run)
     common = ["--data", data, "--output-dir", previous_run, *TRAIN_ARGS, "--check-only", "2", "--overwrite"]
-    main.main(main.get_args_parser().parse_args(common))  # stray files are ignored
+    run_main(common)  # stray files are ignored
     assert "error" not in capsys.readouterr().err
 
     loop = os.path.join(data, "leftImg8bit", "train", "loop")
@@ -107,11 +106,10 @@ def test_pretrained_weights_are_fetched_only_for_a_fresh_start(tiny_data, traine
     shutil.copytree(trained, out)
     imagenet = ["--data", tiny_data, "--output-dir", out,
                 *[a if a != "none" else "imagenet" for a in TRAIN_ARGS]]  # --pretrained-backbone imagenet
-    main.main(main.get_args_parser().parse_args(imagenet + ["-e", "--resume", os.path.join(out, "best.pth")]))
-    main.main(main.get_args_parser().parse_args(imagenet + ["--resume", "auto", "--epochs", "2", "--check-only",
-                                                            "2"]))  # a resumed run's preflight
+    run_main(imagenet + ["-e", "--resume", os.path.join(out, "best.pth")])
+    run_main(imagenet + ["--resume", "auto", "--epochs", "2", "--check-only", "2"])  # a resumed run's preflight
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # a torchrun restart: continues from its checkpoint
-    main.main(main.get_args_parser().parse_args(imagenet + ["--epochs", "1"]))
+    run_main(imagenet + ["--epochs", "1"])
     # (With the tests' tiny model a fetch would not reach get_state_dict: models.py refuses imagenet for it first, and
     # main.main above would have ended in that error instead: each of the three runs finishing is the proof.)
     assert fetched == []
@@ -127,8 +125,7 @@ def test_labels_that_cannot_teach_are_said(tmp_path, capsys):
     out = str(tmp_path / "o")
     binary = [[0, 255, 255, 255, 255, 255]] * 4  # a cat mask saved as 0/255: 255 is ignore
     data = own_data(tmp_path, [binary, binary], names=("background", "cat", "dog"))
-    main.main(main.get_args_parser().parse_args(["--data", data, *TRAIN_ARGS, "--epochs", "1", "--output-dir", out]))
-    said = capsys.readouterr().out
+    said = run_main(["--data", data, *TRAIN_ARGS, "--epochs", "1", "--output-dir", out], capsys)
     warnings = [line for line in said.splitlines() if line.startswith("warning:") and "--crop-size" not in line
                 and "also training images" not in line]  # (these splits hold the same images, said too)
     assert len(warnings) == 2, said  # before training, and training goes on (the crop's warning aside: 6x4 images)
@@ -277,7 +274,7 @@ def test_each_piece_of_advice_followed_as_written_ends_that_mistake(extra, words
     advised = follow(argv, line)
     assert advised, (extra, line)
     try:
-        main.main(main.get_args_parser().parse_args([word.format(**names) for word in advised]))
+        run_main([word.format(**names) for word in advised])
         assert "error" not in capsys.readouterr().err, (extra, line, advised)
     except SystemExit as stop:
         if stop.code == errors.NOTHING_TO_TRAIN:  # past the mistake: the checks passed, and the run had finished
@@ -300,9 +297,7 @@ def test_val_images_that_are_also_training_images_are_said_before_training(tiny_
             source = image.replace("leftImg8bit", sub, 1).replace("leftImg8bit.png", f"{suffix}.png")
             os.makedirs(os.path.join(data, sub, "val", "copied"), exist_ok=True)
             shutil.copy(source, os.path.join(data, sub, "val", "copied", f"copied_000000_00000{number}_{suffix}.png"))
-    main.main(main.get_args_parser().parse_args(["--data", data, "--output-dir", str(tmp_path / "out"), *TRAIN_ARGS,
-                                                 "--epochs", "1"]))
-    said = capsys.readouterr().out
+    said = run_main(["--data", data, "--output-dir", str(tmp_path / "out"), *TRAIN_ARGS, "--epochs", "1"], capsys)
     assert (f"warning: 2 of the 7 val images of --data {data} are also training images, byte for byte (e.g. "
             f"{data}/leftImg8bit/val/copied/copied_000000_000000_leftImg8bit.png and {trains[0]})") in said, said
     assert said.index("are also training images") < said.index("training deeplabv3plus")  # before any step

@@ -7,9 +7,8 @@ import shutil
 
 import pytest
 
-import main
 from harness import checkpoints, paths
-from conftest import TRAIN_ARGS, fingerprint, main_fails, no_space
+from conftest import TRAIN_ARGS, fingerprint, main_fails, no_space, run_main
 
 
 pytestmark = pytest.mark.usefixtures("on_the_cpu")
@@ -18,17 +17,15 @@ pytestmark = pytest.mark.usefixtures("on_the_cpu")
 # --- an earlier result is replaced only with a word; a full disk anywhere ends in one line ----------------------
 def test_earlier_results_are_replaced_with_a_word_and_a_full_disk_writing_eval_json_ends_in_one_line(
         tiny_data, trained, tmp_path, monkeypatch, capsys):
-    import predict
     best = os.path.join(trained, "best.pth")
     evaluate = ["--data", tiny_data, "--output-dir", str(tmp_path / "e"), *TRAIN_ARGS, "-e", "--resume", best]
-    main.main(main.get_args_parser().parse_args(evaluate))
+    run_main(evaluate)
     assert "replaces" not in capsys.readouterr().out
-    main.main(main.get_args_parser().parse_args(evaluate))
+    run_main(evaluate)
     assert "it replaces the earlier one (mIoU" in capsys.readouterr().out
     images = os.path.join(trained, "vis")
     for _ in range(2):
-        predict.main(predict.get_args_parser().parse_args(["--resume", best, images, "-j", "0", "--output-dir",
-                                                           str(tmp_path / "p")]))
+        run_main(["--resume", best, images, "-j", "0", "--output-dir", str(tmp_path / "p")], program="predict")
     assert "holds an earlier prediction: 3 of its files are replaced" in capsys.readouterr().out
 
     from harness import records
@@ -68,7 +65,7 @@ def test_save_predictions_never_replaces_a_data_set_s_files(tiny_data, folder_da
     line = main_fails(evaluate[:-1] + [os.path.join(city, "gtFine", "val")], capsys)
     assert f"is inside the data set {city} (it holds leftImg8bit)" in line, line
     for _ in range(2):  # the advice followed, twice: the second replaces what the first wrote
-        main.main(main.get_args_parser().parse_args(evaluate))
+        run_main(evaluate)
         assert len(glob.glob(str(tmp_path / "new" / "*_pred_labelIds.png"))) == 5
 
 
@@ -91,7 +88,7 @@ def test_a_full_disk_under_save_predictions_or_tensorboard_keeps_the_trained_epo
                     f"--data {tiny_data} --output-dir {out} --save-predictions {predictions}"), line
     assert checkpoints.read("--resume", checkpoint)["epoch"] == 1 and os.listdir(predictions) == []
     advised = line.split("write them from it: ")[1].split()
-    main.main(main.get_args_parser().parse_args(TRAIN_ARGS + advised))
+    run_main(TRAIN_ARGS + advised)
     assert len(os.listdir(predictions)) == 5
     monkeypatch.setattr(dataset.Cityscapes, "save_prediction", no_space)  # -e: eval.json is written, then the line
     line = main_fails(["--data", tiny_data, *TRAIN_ARGS, "-e", "--resume", checkpoint, "--output-dir",
@@ -111,5 +108,5 @@ def test_a_full_disk_before_the_first_checkpoint_gives_advice_that_works(tiny_da
     assert ("(no space left on device; " in line and line.endswith(
         "no checkpoint was kept. Free space there, then start again: the same command with --overwrite (what this "
         "epoch wrote is put aside)")), line
-    main.main(main.get_args_parser().parse_args(argv + ["--overwrite"]))
+    run_main(argv + ["--overwrite"])
     assert os.path.isfile(tmp_path / "out" / "checkpoint.pth")

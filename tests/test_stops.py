@@ -17,12 +17,8 @@ import dataset
 import main
 from harness import checkpoints, job, paths, stops
 from conftest import (ROOT, TRAIN_ARGS, cpu_env, fingerprint, fork_main, free_port, no_shared_memory_in_workers,
-                      one_error_line, processes_mentioning, wait_in_file)
+                      one_error_line, processes_mentioning, run_main, wait_in_file)
 
-
-
-def _train(argv):
-    main.main(main.get_args_parser().parse_args(argv))
 
 
 def _signal_on_a_read(monkeypatch, evaluation, at=1):
@@ -44,18 +40,17 @@ def test_a_stop_during_the_evaluation_and_during_the_last_ones(tiny_data, tmp_pa
     out = str(tmp_path / "out")
     common = ["--data", tiny_data, "--output-dir", out, *TRAIN_ARGS, "--epochs", "2", "--resume", "auto"]
     restore = _signal_on_a_read(monkeypatch, evaluation=True)
-    _train(common)  # the first epoch's evaluation: the epoch is finished, saved, and the run stops
-    said = capsys.readouterr().out
+    said = run_main(common, capsys)  # the first epoch's evaluation: the epoch is finished, saved, and the run stops
     assert "stopped by signal after an epoch; saved" in said and "run the same command with --resume auto" in said
     assert checkpoints.read("--resume", os.path.join(out, "checkpoint.pth"))["epoch"] == 1
     restore()
     restore = _signal_on_a_read(monkeypatch, evaluation=True)
-    _train(common)  # the advice followed; stopped again during the last epoch's evaluation: training is done
-    said = capsys.readouterr().out
+    # The advice followed; stopped again during the last epoch's evaluation: training is done.
+    said = run_main(common, capsys)
     assert "at the start of epoch 1" in said and "training had finished, nothing is left to stop" in said, said
     assert "done: best mIoU" in said
     restore()
-    _train(common)
+    run_main(common)
     assert "nothing to train" in capsys.readouterr().out
 
 
@@ -67,8 +62,7 @@ def test_a_stop_before_training_began_ends_at_once_and_writes_nothing(tiny_data,
         return check(self, *args, **kwargs)
     monkeypatch.setattr(dataset.SegmentationFiles, "check_files", signal_while_the_data_is_checked)
     out = tmp_path / "out"
-    _train(["--data", tiny_data, "--output-dir", str(out), *TRAIN_ARGS, "--epochs", "1"])
-    said = capsys.readouterr().out
+    said = run_main(["--data", tiny_data, "--output-dir", str(out), *TRAIN_ARGS, "--epochs", "1"], capsys)
     assert "stopped by signal 2 before training began: nothing was trained" in said and not out.exists(), said
 
 
@@ -82,12 +76,11 @@ def test_a_stop_while_a_checkpoint_is_written_keeps_it_whole(tiny_data, tmp_path
             stops._on_signal(signal.SIGTERM, None)
         return save(state, f, *args, **kwargs)
     monkeypatch.setattr(torch, "save", signal_in_the_middle)
-    _train(common)
+    run_main(common)
     monkeypatch.setattr(torch, "save", save)
     assert "stopped by signal after an epoch" in capsys.readouterr().out
     assert checkpoints.read("--resume", os.path.join(out, "checkpoint.pth"))["epoch"] == 1  # whole: its CRC-32s good
-    _train(common)
-    said = capsys.readouterr().out
+    said = run_main(common, capsys)
     assert "at the start of epoch 1" in said and "done:" in said, said
 
 
@@ -305,7 +298,7 @@ def test_a_run_under_run_sh_takes_back_the_sigterm_its_torchrun_leaves_ignored(t
     monkeypatch.setenv("DEEPLAB_RUN_SH", "1")
     before = signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
-        _train(["--data", tiny_data, "--output-dir", str(tmp_path / "out"), *TRAIN_ARGS, "--check-only", "1"])
+        run_main(["--data", tiny_data, "--output-dir", str(tmp_path / "out"), *TRAIN_ARGS, "--check-only", "1"])
         assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
     finally:
         signal.signal(signal.SIGTERM, before)
@@ -344,7 +337,7 @@ def test_a_data_worker_that_dies_or_finds_no_shared_memory_ends_in_one_line(tiny
     argv = ["--data", tiny_data, "--output-dir", str(tmp_path / "out"), "--epochs", "1", *TRAIN_ARGS, "-j", "2"]
     before = set(multiprocessing.active_children())
     with pytest.raises(SystemExit) as stop:
-        main.main(main.get_args_parser().parse_args(argv))
+        run_main(argv)
     assert stop.value.code == 1
     # Its workers have ended with main(), though the error that ended it is still held here (stop): not kept until a
     # garbage collection, which would take 5 s for each (recovery._say_record_and_exit).
@@ -387,8 +380,7 @@ def test_the_advice_after_a_stop_continues_the_run_instead_of_starting_over(tiny
     monkeypatch.setattr(dataset.SegmentationFiles, "__getitem__", signal_at_the_first_read)
     common = ["--data", tiny_data, "--output-dir", out, *TRAIN_ARGS, "--epochs", "2"]
     best = os.path.join(out, "best.pth")
-    main.main(main.get_args_parser().parse_args(common + ["--resume", best]))
-    said = capsys.readouterr().out
+    said = run_main(common + ["--resume", best], capsys)
     assert "stopped by signal 15 at epoch 1 step 2/4" in said, said
     assert f"run the same command with --resume auto in place of --resume {best}" in said, said
     monkeypatch.setattr(dataset.SegmentationFiles, "__getitem__", read)
@@ -396,13 +388,10 @@ def test_the_advice_after_a_stop_continues_the_run_instead_of_starting_over(tiny
     stop.write_text("TERM")  # run.sh writes the first signal here: a worker started (again) after it ends at once
     monkeypatch.setenv("DEEPLAB_STOP_FILE", str(stop))
     before = fingerprint(out)
-    with pytest.raises(SystemExit) as exit_info:
-        main.main(main.get_args_parser().parse_args(common + ["--resume", "auto"]))
-    said = capsys.readouterr().out
-    assert exit_info.value.code == 0 and "stopped before it began its work" in said and fingerprint(out) == before, said
+    said = run_main(common + ["--resume", "auto"], capsys, code=0)
+    assert "stopped before it began its work" in said and fingerprint(out) == before, said
     monkeypatch.delenv("DEEPLAB_STOP_FILE")
-    main.main(main.get_args_parser().parse_args(common + ["--resume", "auto"]))  # the advice, followed
-    said = capsys.readouterr().out
+    said = run_main(common + ["--resume", "auto"], capsys)  # the advice, followed
     assert f"resuming from {os.path.join(out, 'checkpoint.pth')} at epoch 1 after step 2" in said, said
 
 
@@ -432,8 +421,7 @@ def test_a_stop_at_any_moment_before_training_ends_the_run_and_changes_nothing(m
             os.kill(os.getpid(), signal.SIGTERM)  # its handler runs at the next bytecode: in here
         return real(*args, **kwargs)
     monkeypatch.setattr(owner, name, stopped_there)
-    main.main(main.get_args_parser().parse_args(["--data", tiny_data, "--output-dir", out, *TRAIN_ARGS, "--epochs",
-                                                 "2", "--resume", "auto"]))
+    run_main(["--data", tiny_data, "--output-dir", out, *TRAIN_ARGS, "--epochs", "2", "--resume", "auto"])
     said = capsys.readouterr()
     assert sent and "Traceback" not in said.err, said
     assert f"stopped by signal {int(signal.SIGTERM)} before training began: nothing was trained" in said.out, said
