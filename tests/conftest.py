@@ -6,6 +6,7 @@ import importlib
 import itertools
 import json
 import multiprocessing
+import multiprocessing.util
 import os
 import re
 import shutil
@@ -128,10 +129,33 @@ def a_fresh_run():
     job.begin_run()  # the program's own reset, as recovery.guard calls it where a run starts
 
 
+# The machine's temporary folder, as the session found it: each test's own is made there (a_temporary_folder_of_its_own).
+SESSION_TMP = tempfile.gettempdir()
+
+
 @pytest.fixture(autouse=True)
-def no_process_left_behind(tmp_path):
+def a_temporary_folder_of_its_own(tmp_path, monkeypatch):
+    """Each test runs with a new, empty TMPDIR of its own, so that what a program keeps there (paths.private_folder's
+    TMPDIR/deeplab-UID: a mistake's record, the heartbeats) is never another test's, nor that of a suite running
+    beside this one (seen: one suite's record read by the other's test as its peer's). Set in os.environ, which every
+    program a test starts inherits (cpu_env and run() copy it at the call; a forked rank keeps it), and in tempfile,
+    which caches gettempdir(). Short (/tmp/tXXXXXXXX): the programs a test starts keep their DataLoader workers'
+    sockets there, and a socket's path must fit in 108 bytes. pytest's own folders (tmp_path) and multiprocessing's
+    folder for this process's sockets (made once a process, and inherited by a DataLoader worker forked from it) are
+    made first, and stay the session's. Removed after the test, once its processes are ended
+    (no_process_left_behind)."""
+    multiprocessing.util.get_temp_dir()
+    folder = tempfile.mkdtemp(prefix="t", dir=SESSION_TMP)
+    monkeypatch.setenv("TMPDIR", folder)
+    monkeypatch.setattr(tempfile, "tempdir", folder)
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture(autouse=True)
+def no_process_left_behind(tmp_path, a_temporary_folder_of_its_own):
     """run.sh starts torchrun in a session of its own: a test that fails or times out must not leave it,
-    or its workers, running into the next tests."""
+    or its workers, running into the next tests (which a_temporary_folder_of_its_own's removal waits for)."""
     yield
     for pid in processes_mentioning(str(tmp_path)):
         try:

@@ -4,11 +4,14 @@ conftest before each test, so that the tests exercise the program's own."""
 import argparse
 import dataclasses
 import os
+import subprocess
+import sys
+import tempfile
 
 import pytest
 
-from harness import job, recovery
-from conftest import TRAIN_ARGS, main_fails
+from harness import job, paths, recovery
+from conftest import SESSION_TMP, TRAIN_ARGS, cpu_env, main_fails
 
 
 def test_begin_run_makes_every_field_as_a_new_process_has_it_but_what_lasts_the_process():
@@ -48,6 +51,29 @@ def test_a_line_with_a_character_the_stream_cannot_encode_is_said_not_raised(mon
         job.log("wrote 2 predictions to дані")
     assert stdout.buffer.getvalue().decode("ascii") == "wrote 2 predictions to \\u0434\\u0430\\u043d\\u0456\n"
 
+
+
+@pytest.mark.launch
+def test_each_test_keeps_its_records_in_a_temporary_folder_of_its_own_that_its_programs_inherit():
+    """conftest.a_temporary_folder_of_its_own: a new, empty, short TMPDIR, the one this process's tempfile, a Python
+    the test starts (with cpu_env, as run() does) and a forked copy of this process use; paths.private_folder's
+    records are kept there, not in the machine's TMPDIR/deeplab-UID, which a suite running beside this one shares."""
+    folder = os.environ["TMPDIR"]
+    assert os.path.dirname(folder) == SESSION_TMP and len(folder) <= len(SESSION_TMP) + 10, folder
+    assert tempfile.gettempdir() == folder and os.listdir(folder) == []
+    started = subprocess.run([sys.executable, "-c", "import tempfile; print(tempfile.gettempdir())"], env=cpu_env(),
+                             capture_output=True, text=True, check=True)
+    assert started.stdout == f"{folder}\n", started
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: a copy of pytest, none of whose exit code may run here
+        os.write(write, tempfile.gettempdir().encode())
+        os._exit(0)
+    os.close(write)
+    os.waitpid(pid, 0)
+    with os.fdopen(read) as forked:
+        assert forked.read() == folder
+    assert paths.private_folder() == os.path.join(folder, f"deeplab-{os.getuid()}")
 
 @pytest.mark.usefixtures("on_the_cpu")
 def test_under_run_sh_the_advice_names_its_variables(tiny_data, previous_run, monkeypatch, capsys):
