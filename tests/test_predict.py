@@ -2,6 +2,7 @@
 shares the images out; the ONNX export computes what PyTorch computes."""
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -145,27 +146,37 @@ def test_a_full_disk_ends_in_one_line(checkpoint, tmp_path, monkeypatch, capsys)
 
 
 @pytest.fixture(scope="module")
-def exported(tiny_data, tmp_path_factory):
+def two_process_run(tiny_data, tmp_path_factory):
     """A folder: run/best.pth, as main.py writes it on two processes (one epoch on tiny_data); best.pth, the same with
-    varied_model's weights (which predict many classes); model.onnx, predict.py's export of best.pth. Built once for
-    the whole run, by the first worker to ask: the export takes 20-50 s.
+    varied_model's weights (which predict many classes). Built once for the whole run, by the first worker to ask."""
+    def build(folder):
+        run_dir = os.path.join(folder, "run")
+        finish_ranks(fork_ranks(["--data", tiny_data, "--output-dir", run_dir, "--epochs", "1", *TRAIN_ARGS],
+                                os.path.join(folder, "logs")))
+        saved = torch.load(os.path.join(run_dir, "best.pth"), map_location="cpu", weights_only=True)
+        torch.save({**saved, "model": varied_model().state_dict()}, os.path.join(folder, "best.pth"))
+    return built_once(tmp_path_factory, "two_process_run", build)
+
+
+@pytest.fixture(scope="module")
+def exported(two_process_run, tmp_path_factory):
+    """A folder: best.pth, two_process_run's; model.onnx, predict.py's export of it. Built once for the whole run, by
+    the first worker to ask: torch's exporter takes 20-50 s, so the tests that use it are marked launch, and the
+    quick loop (-m "not launch") leaves them out.
 
     The export runs in a forked copy of this process. Seen with torch 2.14: after torch.export in a process that had
     run no backward yet, its first backward starts autograd's device threads, and each process forked from it
     afterwards fails its first backward ("Unable to handle autograd's threading in combination with fork-based
     multiprocessing"). In pytest's own process, that failed every later test that forks ranks."""
     def build(folder):
-        run_dir, best, path = (os.path.join(folder, name) for name in ("run", "best.pth", "model.onnx"))
-        finish_ranks(fork_ranks(["--data", tiny_data, "--output-dir", run_dir, "--epochs", "1", *TRAIN_ARGS],
-                                os.path.join(folder, "logs")))
-        saved = torch.load(os.path.join(run_dir, "best.pth"), map_location="cpu", weights_only=True)
-        torch.save({**saved, "model": varied_model().state_dict()}, best)
+        best, path = os.path.join(folder, "best.pth"), os.path.join(folder, "model.onnx")
+        shutil.copy(os.path.join(two_process_run, "best.pth"), best)
         exporter = fork_main(["--resume", best, "--export", path], f"{path}.log", program="predict")
         assert finish_ranks([exporter])[0].startswith(f"wrote {path}"), exporter
     return built_once(tmp_path_factory, "exported", build)
 
 
-@pytest.mark.long
+@pytest.mark.launch  # torch's exporter (the fixture): 20-50 s
 def test_onnx_export_computes_what_pytorch_computes(exported):
     session = onnxruntime.InferenceSession(os.path.join(exported, "model.onnx"), providers=["CPUExecutionProvider"])
     model = checkpoints.load_for_inference(os.path.join(exported, "best.pth"))[0]
@@ -240,10 +251,10 @@ def python_lines(heading):
     return block
 
 
-def test_load_best_pth_in_your_own_code_as_predict_md_says(exported, tmp_path, monkeypatch):
+def test_load_best_pth_in_your_own_code_as_predict_md_says(two_process_run, tmp_path, monkeypatch):
     """predict.md's lines, as written, in a folder laid out as the project's (output/demo/best.pth): on the best.pth of
     a run on two processes (DDP), whose keys have no "module." prefix. They build predict.py's model, in eval mode."""
-    trained = os.path.join(exported, "run", "best.pth")
+    trained = os.path.join(two_process_run, "run", "best.pth")
     os.makedirs(tmp_path / "output" / "demo")
     os.symlink(trained, tmp_path / "output" / "demo" / "best.pth")
     monkeypatch.chdir(tmp_path)
