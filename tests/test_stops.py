@@ -305,15 +305,44 @@ def test_a_run_under_run_sh_takes_back_the_sigterm_its_torchrun_leaves_ignored(t
         job.RUN.env = job.Environment()  # (the next test's run reads its own)
 
 
-@pytest.mark.parametrize("how", ["killed", "shared memory", "a batch not handed over", "too many open files",
-                                 "another cause"])
+# /dev/shm a tmpfs of 1 MiB in a mount namespace of its own (as root, or where user namespaces allow it): the rest
+# of the machine keeps its own.
+SMALL_DEV_SHM = ["unshare", "-m", "sh", "-c", 'mount -t tmpfs -o size=1M tmpfs /dev/shm && exec "$@"', "sh"]
+
+
+def _in_a_small_dev_shm(command):
+    """command run with a /dev/shm of 1 MiB (SMALL_DEV_SHM); skipped, with the reason, where this machine refuses
+    a mount namespace or the mount. -> (its exit status, all it printed)."""
+    if shutil.which("unshare") is None:
+        pytest.skip("no unshare here (util-linux), to give a command a small /dev/shm of its own")
+    probe = subprocess.run(SMALL_DEV_SHM + ["true"], capture_output=True, text=True, timeout=30)
+    if probe.returncode != 0:
+        pytest.skip(f"a mount namespace with a small /dev/shm of its own is refused here ({probe.stderr.strip()})")
+    result = subprocess.run(SMALL_DEV_SHM + command, cwd=ROOT, env=cpu_env(), capture_output=True, text=True,
+                            timeout=120)
+    return result.returncode, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("how", ["killed", pytest.param("shared memory", marks=pytest.mark.launch),
+                                 "a batch not handed over", "too many open files", "another cause"])
 def test_a_data_worker_that_dies_or_finds_no_shared_memory_ends_in_one_line(tiny_data, tmp_path, monkeypatch,
                                                                             capsys, how):
     """A DataLoader worker killed (SIGKILL: the out-of-memory killer's signal) or short of shared memory (a small
     /dev/shm: Docker's 64 MB) ended in torch's traceback, or hung where the batch was lost in the queue's feeder
     thread. Now one line that names the cause and what to change (-j, memory, --shm-size) and keeps the checkpoint.
-    The worker here kills itself, raises torch's own words for a full /dev/shm, or meets them as its batch is put on
-    the queue (no_shared_memory_in_workers)."""
+    The worker here kills itself; or main.py runs with a real /dev/shm of 1 MiB, where its batches of 256x256 crops
+    do not fit; or torch's words for a full /dev/shm, or for another failure, are met as its batch is put on the
+    queue (no_shared_memory_in_workers)."""
+    argv = ["--data", tiny_data, "--output-dir", str(tmp_path / "out"), "--epochs", "1", *TRAIN_ARGS, "-j", "2"]
+    if how == "shared memory":  # a fresh main.py: the mount namespace is a process's own
+        code, output = _in_a_small_dev_shm([sys.executable, "main.py", *argv, "--crop-size", "256"])
+        errors = [line for line in output.splitlines() if "error:" in line]
+        assert code == 1 and "Traceback" not in output and len(errors) == 1, output
+        [line] = errors
+        assert re.search(r"shared memory \(/dev/shm, [01] MiB free\) is most likely too small", line), line
+        assert "--shm-size=8g" in line and "give -j 1 or -j 0" in line, line
+        assert "run the same command with --resume auto" in line, line
+        return
     if how == "a batch not handed over":
         no_shared_memory_in_workers(monkeypatch)
     if how == "too many open files":  # a batch that fails in the feeder thread for another reason: said as it is
@@ -324,17 +353,11 @@ def test_a_data_worker_that_dies_or_finds_no_shared_memory_ends_in_one_line(tiny
                                                  "mode: Permission denied (13)")
 
     def fail_in_a_worker(self, index):
-        if how in ("a batch not handed over", "too many open files", "another cause"):
-            return real(self, index)
-        if torch.utils.data.get_worker_info() is not None:
-            if how == "killed":
-                os.kill(os.getpid(), signal.SIGKILL)
-            raise RuntimeError("unable to allocate shared memory(shm) for file </torch_4242_0_0>: No space left on "
-                               "device (28)")
+        if how == "killed" and torch.utils.data.get_worker_info() is not None:
+            os.kill(os.getpid(), signal.SIGKILL)
         return real(self, index)
     real = dataset.SegmentationFiles.__getitem__
     monkeypatch.setattr(dataset.SegmentationFiles, "__getitem__", fail_in_a_worker)
-    argv = ["--data", tiny_data, "--output-dir", str(tmp_path / "out"), "--epochs", "1", *TRAIN_ARGS, "-j", "2"]
     before = set(multiprocessing.active_children())
     with pytest.raises(SystemExit) as stop:
         run_main(argv)
