@@ -6,6 +6,7 @@ import importlib
 import itertools
 import json
 import multiprocessing
+import multiprocessing.util
 import os
 import re
 import shutil
@@ -128,10 +129,33 @@ def a_fresh_run():
     job.begin_run()  # the program's own reset, as recovery.guard calls it where a run starts
 
 
+# The machine's temporary folder, as the session found it: each test's own is made there (a_temporary_folder_of_its_own).
+SESSION_TMP = tempfile.gettempdir()
+
+
 @pytest.fixture(autouse=True)
-def no_process_left_behind(tmp_path):
+def a_temporary_folder_of_its_own(tmp_path, monkeypatch):
+    """Each test runs with a new, empty TMPDIR of its own, so that what a program keeps there (paths.private_folder's
+    TMPDIR/deeplab-UID: a mistake's record, the heartbeats) is never another test's, nor that of a suite running
+    beside this one (seen: one suite's record read by the other's test as its peer's). Set in os.environ, which every
+    program a test starts inherits (cpu_env and run() copy it at the call; a forked rank keeps it), and in tempfile,
+    which caches gettempdir(). Short (/tmp/tXXXXXXXX): the programs a test starts keep their DataLoader workers'
+    sockets there, and a socket's path must fit in 108 bytes. pytest's own folders (tmp_path) and multiprocessing's
+    folder for this process's sockets (made once a process, and inherited by a DataLoader worker forked from it) are
+    made first, and stay the session's. Removed after the test, once its processes are ended
+    (no_process_left_behind)."""
+    multiprocessing.util.get_temp_dir()
+    folder = tempfile.mkdtemp(prefix="t", dir=SESSION_TMP)
+    monkeypatch.setenv("TMPDIR", folder)
+    monkeypatch.setattr(tempfile, "tempdir", folder)
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture(autouse=True)
+def no_process_left_behind(tmp_path, a_temporary_folder_of_its_own):
     """run.sh starts torchrun in a session of its own: a test that fails or times out must not leave it,
-    or its workers, running into the next tests."""
+    or its workers, running into the next tests (which a_temporary_folder_of_its_own's removal waits for)."""
     yield
     for pid in processes_mentioning(str(tmp_path)):
         try:
@@ -235,13 +259,25 @@ def one_error_line(capsys, prefix="main.py: error: "):
     return errors[0]
 
 
-def main_fails(argv, capsys, code=1):
-    """main.main() on argv, in this process, ends with exit code `code` and one error line. -> that line."""
-    import main
-    with pytest.raises(SystemExit) as exit_info:
-        main.main(main.get_args_parser().parse_args(argv))
-    assert exit_info.value.code == code
-    return one_error_line(capsys)
+def run_main(argv, capsys=None, code=None, program="main"):
+    """main() of the module program (main.py's, predict.py's) on argv, parsed by its own parser, in this process: as
+    its command line runs it, without the seconds a fresh interpreter takes to import torch. code: the exit status
+    it must end with (SystemExit), None for none. -> what it printed on stdout, with capsys (read, so that the
+    next read starts after it)."""
+    module = importlib.import_module(program)
+    if code is None:
+        module.main(module.get_args_parser().parse_args(argv))
+    else:
+        with pytest.raises(SystemExit) as exit_info:
+            module.main(module.get_args_parser().parse_args(argv))
+        assert exit_info.value.code == code
+    return capsys.readouterr().out if capsys else None
+
+
+def main_fails(argv, capsys, code=1, program="main"):
+    """run_main(argv) ends with exit code `code` and one error line. -> that line."""
+    run_main(argv, code=code, program=program)
+    return one_error_line(capsys, f"{program}.py: error: ")
 
 
 def no_shared_memory_in_workers(monkeypatch, words="unable to allocate shared memory(shm) for file </torch_4242_0_1>: "
@@ -431,9 +467,8 @@ def straight(data24, tmp_path_factory):
 @pytest.fixture(scope="session")
 def trained(tiny_data, tmp_path_factory):
     """A real run's output folder: one epoch on tiny_data, in-process, one process (Cityscapes' 19 classes)."""
-    import main
-    return built_once(tmp_path_factory, "trained", lambda out: main.main(main.get_args_parser().parse_args([
-        "--data", tiny_data, "--output-dir", out, "--epochs", "1", *TRAIN_ARGS])))
+    return built_once(tmp_path_factory, "trained", lambda out: run_main(["--data", tiny_data, "--output-dir", out,
+                                                                          "--epochs", "1", *TRAIN_ARGS]))
 
 
 @pytest.fixture(scope="session")
@@ -442,3 +477,33 @@ def folder_data(tmp_path_factory):
     classes.json with Cityscapes' 7 categories as the classes."""
     return built_once(tmp_path_factory, "own_data", lambda root: write_synthetic(
         root, num_train=8, num_val=5, size=(64, 32), seed=3, layout="folder"))
+
+
+@pytest.fixture
+def previous_run(tmp_path):
+    """An output folder holding a finished run's files (small stand-ins)."""
+    out = tmp_path / "out"
+    (out / "vis").mkdir(parents=True)
+    for name in ("checkpoint.pth", "best.pth", "metrics.jsonl", "vis/epoch_000.png"):
+        (out / name).write_bytes(f"the previous run's {name}".encode())
+    return str(out)
+
+
+def fingerprints(*folders):
+    """{folder: fingerprint(folder)} of each folder: what a test compares before and after."""
+    return {folder: fingerprint(folder) for folder in folders}
+
+
+def own_data(tmp_path, masks, names=("background", "cat"), ignore=255, image_size=(6, 4), suffix=".png"):
+    """A folder data set: for each split, images of image_size and these masks (lists of rows)."""
+    import numpy as np
+    from PIL import Image
+    root = tmp_path / "own"
+    for split in ("train", "val"):
+        (root / "images" / split).mkdir(parents=True)
+        (root / "masks" / split).mkdir(parents=True)
+        for i, mask in enumerate(masks):
+            Image.new("RGB", image_size, (100, 120, 140)).save(root / "images" / split / f"x{i}{suffix}")
+            Image.fromarray(np.array(mask, np.uint8)).save(root / "masks" / split / f"x{i}.png")
+    (root / "classes.json").write_text(json.dumps({"names": list(names), "ignore_index": ignore}))
+    return str(root)

@@ -1,3 +1,4 @@
+import errno
 import glob
 import multiprocessing
 import os
@@ -12,10 +13,11 @@ from PIL import Image
 from torchvision.transforms.v2 import functional as F
 
 import images
-from conftest import ROOT
+from conftest import ROOT, TRAIN_ARGS, fingerprint, main_fails, run_main
 import main
 from dataset import (ID_TO_TRAINID, IGNORE_INDEX, TRAINID_TO_ID, BadInput, Cityscapes, open_dataset, read_image,
                      read_label, sample_generator, train_transform)
+from harness import errors
 from synthetic import draw_street, write_synthetic
 
 # The official table (cityscapesScripts labels.py), typed here independently of the code.
@@ -406,3 +408,46 @@ def test_every_mode_and_bit_depth_decodes_to_the_same_pixels_in_training_and_in_
         assert torch.equal(predicted[index][1], torch.from_numpy(np.array(expected)).permute(2, 0, 1)), path
     # 16 bits scaled to 8, not clipped: 1000 / 257 is 3.9
     assert images.read_image(str(tmp_path / "I16.png"))[0, :, 0].tolist() == [0, 4, 128, 255]
+
+
+@pytest.mark.usefixtures("on_the_cpu")
+def test_the_decode_cache_stays_out_of_the_data_set_and_minus_j_0_means_this_process(tiny_data, tmp_path):
+    from harness.cache import prepare_cache
+    data = str(tmp_path / "data")
+    shutil.copytree(tiny_data, data)
+    before = fingerprint(data)
+    with pytest.raises(errors.UserError, match="CACHE_DIR .* is inside --data"):
+        prepare_cache(data, os.path.join(data, "cache"), ["val"], workers=0)
+    assert fingerprint(data) == before
+    prepare_cache(data, str(tmp_path / "cache"), ["val"], workers=0)  # no pool: in this process
+    assert len(os.listdir(tmp_path / "cache")) == 2 * 5
+
+
+@pytest.mark.usefixtures("on_the_cpu")
+@pytest.mark.parametrize("layout, folder", [("cityscapes", ("leftImg8bit", "val")), ("cityscapes", ("gtFine", "val")),
+                                            ("folder", ("masks", "train"))])
+def test_a_data_folder_that_cannot_be_listed_is_named_in_one_line(layout, folder, tiny_data, folder_data, tmp_path,
+                                                                  monkeypatch, capsys):
+    """A folder of the data set this user may not read (permission denied) is named, with errno's advice, instead of
+    a traceback (os.listdir) or images left out without a word (os.walk, glob); given the permission, the run goes
+    on. As root, who may read anything, the refusal is made by os.listdir and os.scandir themselves."""
+    data = str(tmp_path / "data")
+    shutil.copytree(tiny_data if layout == "cityscapes" else folder_data, data)
+    top = os.path.join(data, *folder)
+    unreadable = os.path.join(top, sorted(os.listdir(top))[0]) if layout == "cityscapes" else top  # a city, or masks
+    argv = ["--data", data, "--output-dir", str(tmp_path / "out"), *TRAIN_ARGS, "--check-only", "1"]
+    with monkeypatch.context() as patch:
+        if os.geteuid() != 0:
+            os.chmod(unreadable, 0)
+        for name in ("listdir", "scandir") if os.geteuid() == 0 else ():
+            def refuse(path=".", real=getattr(os, name)):
+                if os.path.abspath(path) == unreadable:
+                    raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), path)
+                return real(path)
+            patch.setattr(os, name, refuse)
+        line = main_fails(argv, capsys)
+    assert line == (f"main.py: error: {unreadable} cannot be listed (Permission denied): give the user that runs "
+                    f"training permission to read it and the folders in it (ls -ld {unreadable}: its owner and mode)")
+    os.chmod(unreadable, 0o755)  # the advice followed (as root: the refusal taken away with the patch)
+    run_main(argv)  # --check-only: every check passes
+    assert "error" not in capsys.readouterr().err

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from conftest import TRAIN_ARGS, varied_model
+from conftest import TRAIN_ARGS, main_fails, run_main, varied_model
 from harness import errors, inference
 import main
 from dataset import NUM_CLASSES, Cityscapes
@@ -65,20 +65,17 @@ def test_eval_flags_checked_in_one_line(tiny_data, tmp_path, capsys):
         with pytest.raises(errors.UserError):
             mode_of(argv)
     # Training evaluates single-scale after each epoch: main.py says so before any work.
-    args = main.get_args_parser().parse_args(["--data", tiny_data, "--output-dir", str(tmp_path), *TRAIN_ARGS,
-                                              "--eval-scales", "1", "2"])
-    with pytest.raises(SystemExit):
-        main.main(args)
-    assert capsys.readouterr().err.startswith("main.py: error: --eval-scales")
+    line = main_fails(["--data", tiny_data, "--output-dir", str(tmp_path), *TRAIN_ARGS, "--eval-scales", "1", "2"],
+                      capsys)
+    assert line.startswith("main.py: error: --eval-scales"), line
 
 
 def test_main_e_records_the_mode_and_its_speed(tiny_data, tmp_path):
     checkpoint = str(tmp_path / "random.pth")
     torch.save({"model": varied_model().state_dict(), "args": {"model": TRAIN_ARGS[1], "output_stride": 16}},
                checkpoint)
-    main.main(main.get_args_parser().parse_args([
-        "-e", "--resume", checkpoint, "--data", tiny_data, "--output-dir", str(tmp_path), *TRAIN_ARGS,
-        "--eval-scales", "0.75", "1.0", "--eval-flip", "--eval-crop", "24", "--eval-stride", "16"]))
+    run_main(["-e", "--resume", checkpoint, "--data", tiny_data, "--output-dir", str(tmp_path), *TRAIN_ARGS,
+              "--eval-scales", "0.75", "1.0", "--eval-flip", "--eval-crop", "24", "--eval-stride", "16"])
     with open(tmp_path / "eval.json") as f:
         result = json.load(f)
     assert result["mode"] == "scales 0.75,1 + flip + window 24x24 stride 16x16"
@@ -114,32 +111,30 @@ def test_e_evaluates_as_the_run_did_and_reads_the_val_images_alone(trained_with,
     import shutil
     from conftest import metrics
     out, val_only = str(tmp_path / "out"), tmp_path / "val_only"
-    run = lambda argv: main.main(main.get_args_parser().parse_args(argv))  # noqa: E731
-    run(["--data", tiny_data, "--output-dir", out, "--epochs", "1", *TRAIN_ARGS, *trained_with])
+    run_main(["--data", tiny_data, "--output-dir", out, "--epochs", "1", *TRAIN_ARGS, *trained_with])
     for top in ("leftImg8bit", "gtFine"):
         shutil.copytree(f"{tiny_data}/{top}/val", val_only / top / "val")
     evaluate = ["-e", "--resume", f"{out}/best.pth", "--data", str(val_only), "--output-dir", out, "-j", "0"]
     capsys.readouterr()
-    run([*evaluate, "--check-only", "2"])  # ends after the checks, with exit status 0
+    run_main([*evaluate, "--check-only", "2"])  # ends after the checks, with exit status 0
     assert "evaluated" not in capsys.readouterr().out
-    run(evaluate)
+    run_main(evaluate)
     taken = "--amp bf16" if trained_with == ["--amp"] else "window 24x24 stride 16x16"
     assert f"note: -e evaluates as the run did ({taken}, from {out}/best.pth)" in capsys.readouterr().out
     with open(f"{out}/eval.json") as f:
         assert json.load(f)["miou"] == metrics(out)[0]["miou"]
     same = ["--amp", "bf16"] if trained_with == ["--amp"] else ["--eval-crop", "24", "24"]  # written another way
-    run([*evaluate, *same])
+    run_main([*evaluate, *same])
     assert "note: -e evaluates as the run did" in capsys.readouterr().out
     other = ["--amp", "off"] if trained_with == ["--amp"] else ["--eval-crop", "24", "--eval-stride", "8"]
-    run([*evaluate, *other])
+    run_main([*evaluate, *other])
     differs = "--amp off (the run's: bf16)" if trained_with == ["--amp"] else \
         "window 24x24 stride 8x8 (the run's: window 24x24 stride 16x16)"
     assert f"note: -e evaluates with {differs}: its mIoU may differ" in capsys.readouterr().out
     if trained_with == ["--amp"]:  # a run on GPUs in fp16, evaluated on a CPU: bf16 there, said
         saved = torch.load(f"{out}/best.pth", map_location="cpu", weights_only=True)
         torch.save({**saved, "args": {**saved["args"], "amp": "fp16"}}, tmp_path / "fp16.pth")
-        run([*evaluate[:2], str(tmp_path / "fp16.pth"), *evaluate[3:]])
-        said = capsys.readouterr().out
+        said = run_main([*evaluate[:2], str(tmp_path / "fp16.pth"), *evaluate[3:]], capsys)
         assert "note: -e evaluates with --amp bf16 (the run's: fp16)" in said and "wrote" in said, said
 
 
@@ -186,3 +181,21 @@ def test_amp_given_alone_is_one_choice_for_the_whole_job(tmp_path):
         rank.join(60)
     assert [rank.exitcode for rank in ranks] == [0, 0]
     assert [(tmp_path / f"rank_{rank}").read_text() for rank in range(2)] == ["fp16", "fp16"]
+
+
+@pytest.mark.usefixtures("on_the_cpu")
+def test_any_size_and_any_scale_the_flags_accept(trained, tiny_data, tmp_path, capsys):
+    from PIL import Image
+    photos = tmp_path / "tiny"
+    photos.mkdir()
+    for width, height in ((1, 1), (3, 2), (1, 40)):
+        Image.new("RGB", (width, height), (90, 90, 90)).save(photos / f"{width}x{height}.png")
+    run_main(["--resume", os.path.join(trained, "best.pth"), str(photos), "--output-dir", str(tmp_path / "p"), "-j",
+              "0", "--eval-scales", "0.01", "1", "--eval-flip", "--eval-crop", "8", "--eval-stride",
+              "1"], program="predict")
+    for name, size in (("1x1", (1, 1)), ("3x2", (3, 2)), ("1x40", (1, 40))):
+        with Image.open(tmp_path / "p" / "color" / f"{name}.png.png") as picture:
+            assert picture.size == size
+    run_main(["--data", tiny_data, "--output-dir", str(tmp_path / "e"), *TRAIN_ARGS, "-e", "--resume",
+              os.path.join(trained, "best.pth"), "--eval-scales", "0.01", "--eval-crop", "8"])
+    assert "mIoU" in capsys.readouterr().out

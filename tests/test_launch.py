@@ -11,8 +11,8 @@ import sys
 import pytest
 import torch
 
-from conftest import (ROOT, SLOW_ARGS, TRAIN_ARGS, built_once, checkpoint_of, finish_ranks, fork_main, fork_ranks,
-                      free_port, metrics, run, run_sh_workers_line)
+from conftest import (ROOT, SLOW_ARGS, TRAIN_ARGS, built_once, checkpoint_of, fingerprint, finish_ranks, fork_main,
+                      fork_ranks, free_port, metrics, run, run_main, run_sh_workers_line)
 import main
 from harness import job
 
@@ -90,8 +90,7 @@ def test_each_launch_form_trains_and_evaluates(form, tiny_data, tmp_path, capsys
     elif form == "local_rank":
         log = _manual_launch(common[1:], str(tmp_path / "logs"))
     else:  # python main.py: no launcher, no process group (in this process: the same code, no start-up to wait for)
-        main.main(main.get_args_parser().parse_args(common[1:]))
-        log = capsys.readouterr().out
+        log = run_main(common[1:], capsys)
     world_size = 1 if form == "plain" else 2
     assert f"{world_size} process(es)" in log
     [record] = metrics(out)
@@ -103,9 +102,8 @@ def test_each_launch_form_trains_and_evaluates(form, tiny_data, tmp_path, capsys
     assert re.findall(r"^epoch 0: .* mIoU (\S+) \(best", log, re.MULTILINE) == [f"{record['miou']:.4f}"], log
     assert 0 <= record["miou"] <= 1
     again = str(tmp_path / "again")
-    main.main(main.get_args_parser().parse_args(["--data", tiny_data, "--output-dir", out, *TRAIN_ARGS, "-e",
-                                                 "--resume", os.path.join(out, "checkpoint.pth"),
-                                                 "--save-predictions", again]))
+    run_main(["--data", tiny_data, "--output-dir", out, *TRAIN_ARGS, "-e", "--resume",
+              os.path.join(out, "checkpoint.pth"), "--save-predictions", again])
     with open(os.path.join(out, "eval.json")) as f:
         result = json.load(f)
     assert result["num_images"] == 5 and result["miou"] == record["miou"]
@@ -175,7 +173,7 @@ def test_run_sh_resumes_by_itself_bitwise_where_a_run_left_off_and_evaluates_its
                                      "--save-predictions", predictions, *TRAIN_ARGS)
     with monkeypatch.context() as under_run_sh:
         under_run_sh.setenv("DEEPLAB_RUN_SH", "1")
-        main.main(main.get_args_parser().parse_args(evaluation + ["--check-only", "2"]))
+        run_main(evaluation + ["--check-only", "2"])
     job.RUN.env = job.Environment()  # what the check read under run.sh reset, as other tests do
     finish_ranks(fork_ranks(evaluation, str(tmp_path / "logs")))
     with open(os.path.join(out, "eval.json")) as f:
@@ -304,7 +302,7 @@ def test_run_sh_keeps_the_recipes_global_batch_on_1_to_8_gpus(gpus, per_gpu, acc
 
 @pytest.mark.launch
 def test_run_sh_starts_no_torchrun_on_one_node_when_its_check_finds_nothing_to_train(tiny_data, tmp_path):
-    """main.py's check exits 3 when the run it would resume has finished (test_mistakes): run.sh then ends there,
+    """main.py's check exits 3 when the run it would resume has finished (test_checkpoints): run.sh then ends there,
     exit 0, on one node; on two it starts torchrun, whose workers compare what each node resumes from. A stand-in
     for Python exits as the check would and records what run.sh starts."""
     log, fake = tmp_path / "started", tmp_path / "python"
@@ -341,3 +339,46 @@ def test_run_sh_started_from_a_deleted_folder_says_so(tmp_path):
                             text=True, timeout=60)
     assert result.returncode == 1 and result.stderr.strip().splitlines()[-1] == (
         "run.sh: error: the folder you are in was deleted: cd to a folder that exists, then run again"), result
+
+
+@pytest.mark.launch
+@pytest.mark.parametrize("variables, expect", [
+    ({"NPROC": "0"}, "NPROC=0: give a whole number of at least 1"),
+    ({"NPROC": "two"}, "NPROC=two: give a whole number of at least 1"),
+    ({"NNODES": "0"}, "NNODES=0: give a whole number of at least 1"),
+    ({"NNODES": "2", "NODE_RANK": "2"}, "NODE_RANK=2: nodes are numbered 0 to NNODES-1 (1)"),
+    ({"NODE_RANK": "-1"}, "NODE_RANK=-1: give a whole number of at least 0"),
+    ({"MAX_RESTARTS": "-1"}, "MAX_RESTARTS=-1: give a whole number of at least 0"),
+    ({"MAX_RESTARTS": "99999999999999999999"}, "MAX_RESTARTS=99999999999999999999: give a whole number of at most "
+                                               "999999999"),  # past bash's integers, which wrap without a word
+    ({"NPROC": "000"}, "NPROC=000: give a whole number of at least 1"),
+    ({"MASTER_PORT": "http"}, "MASTER_PORT=http: give a whole number of at least 1"),
+    ({"MASTER_PORT": "70000"}, "MASTER_PORT=70000: a port is at most 65535"),
+])
+def test_run_sh_variables_are_checked_before_anything_runs(variables, expect, previous_run):
+    before = fingerprint(previous_run)
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OUTPUT_DIR": previous_run, **variables}
+    result = subprocess.run(["./run.sh"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    output = result.stdout + result.stderr
+    assert result.returncode == 1 and output.strip() == f"run.sh: error: {expect}", output
+    assert fingerprint(previous_run) == before
+
+
+@pytest.mark.launch
+def test_run_sh_reads_a_leading_zero_as_decimal(tiny_data, tmp_path):
+    """bash's arithmetic would read NPROC=010 as eight processes (and NPROC=08 as an error): ten are counted, and
+    eight. A stand-in for Python records what run.sh starts (no torch to import: run.sh's own arithmetic is the
+    point)."""
+    log, fake = tmp_path / "started", tmp_path / "python"
+    fake.write_text('#!/bin/bash\necho "$*" >> "$FAKE_LOG"\n')
+    fake.chmod(0o755)
+    for given, counted in (("010", 10), ("08", 8)):
+        env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "DATA": tiny_data, "OUTPUT_DIR": str(tmp_path / "out"),
+               "NPROC": given, "PYTHON": str(fake), "FAKE_LOG": str(log)}
+        result = subprocess.run(["./run.sh", *TRAIN_ARGS], cwd=ROOT, env=env, capture_output=True, text=True,
+                                timeout=60)
+        assert result.returncode == 0, result.stdout + result.stderr
+        check, launch = log.read_text().splitlines()
+        log.unlink()
+        assert check.endswith(f" --check-only {counted}"), check  # main.py's check is told the whole world size
+        assert f"--nproc_per_node {counted} " in launch, launch

@@ -13,10 +13,8 @@ from PIL import Image
 
 import dataset
 import images
-import main
-import predict
 from harness import checkpoints, job, paths
-from conftest import ROOT, TRAIN_ARGS, main_fails, no_space, one_error_line
+from conftest import ROOT, TRAIN_ARGS, main_fails, no_space, own_data, run_main
 from dataset import FolderDataset, default_colors, open_dataset
 from models import build_model
 
@@ -206,8 +204,7 @@ def test_a_checkpoint_from_before_classes_were_saved_is_cityscapes(trained, tiny
     checkpoint = torch.load(os.path.join(trained, "best.pth"), weights_only=True)
     del checkpoint["classes"]  # as main.py wrote them before it saved the classes
     torch.save(checkpoint, old)
-    main.main(main.get_args_parser().parse_args(["--data", tiny_data, "--output-dir", str(tmp_path / "e"), "-e",
-                                                 "--resume", old, *TRAIN_ARGS]))
+    run_main(["--data", tiny_data, "--output-dir", str(tmp_path / "e"), "-e", "--resume", old, *TRAIN_ARGS])
     assert "  road" in capsys.readouterr().out
     line = main_fails(["--data", folder_data, "--output-dir", str(tmp_path / "e"), "-e", "--resume", old,
                         *TRAIN_ARGS], capsys)
@@ -257,7 +254,7 @@ def test_own_data_fine_tuned_evaluated_predicted_and_its_curves_continue(trained
     out, preds = str(tmp_path / "out"), str(tmp_path / "preds")
     train = ["--data", folder_data, "--output-dir", out, *TRAIN_ARGS, "--epochs", "2", "--tensorboard",
              "--weights", os.path.join(trained, "best.pth")]
-    main.main(main.get_args_parser().parse_args(train))
+    run_main(train)
     assert "does not fit the 7 classes of --data and starts afresh" in capsys.readouterr().out
     # What the run wrote is what harness/paths.py's one table of run files names (-e's eval.json, below).
     assert sorted(os.listdir(out)) == sorted(name for name in paths.RUN_FILES if name != "eval.json")
@@ -276,7 +273,7 @@ def test_own_data_fine_tuned_evaluated_predicted_and_its_curves_continue(trained
     assert events.Images("val/image_truth_prediction")[-1].width == 3 * 64
     before = [e.value for e in events.Scalars("val/mIoU")]
     shutil.copy(os.path.join(out, "checkpoint.prev.pth"), os.path.join(out, "checkpoint.pth"))
-    main.main(main.get_args_parser().parse_args([*train, "--resume", "auto"]))
+    run_main([*train, "--resume", "auto"])
     assert f"--weights {os.path.join(trained, 'best.pth')} not read: the run continues from its checkpoint" in \
         capsys.readouterr().out
     events = _events(out)
@@ -286,9 +283,8 @@ def test_own_data_fine_tuned_evaluated_predicted_and_its_curves_continue(trained
 
     # -e: the classes' names in the table and eval.json, predictions written as the data set's own masks.
     capsys.readouterr()
-    main.main(main.get_args_parser().parse_args(["--data", folder_data, "--output-dir", out, *TRAIN_ARGS, "-e",
-                                                 "--resume", os.path.join(out, "best.pth"), "--save-predictions",
-                                                 preds]))
+    run_main(["--data", folder_data, "--output-dir", out, *TRAIN_ARGS, "-e", "--resume", os.path.join(out, "best.pth"),
+              "--save-predictions", preds])
     assert "  vehicle" in capsys.readouterr().out
     with open(os.path.join(out, "eval.json")) as f:
         assert list(json.load(f)["iou"]) == CATEGORIES
@@ -303,27 +299,24 @@ def test_own_data_fine_tuned_evaluated_predicted_and_its_curves_continue(trained
     assert "was trained for 19 classes" in line and "--data has 7 others" in line and "--weights" in line, line
 
     # predict.py: the classes' colours come from the checkpoint; labelIds are Cityscapes' alone.
-    predict.main(predict.get_args_parser().parse_args(["--resume", os.path.join(out, "best.pth"), "-j", "0",
-                                                       os.path.join(folder_data, "images", "val"),
-                                                       "--output-dir", str(tmp_path / "p"), "--what", "color", "label"]))
+    run_main(["--resume", os.path.join(out, "best.pth"), "-j", "0", os.path.join(folder_data, "images", "val"),
+              "--output-dir", str(tmp_path / "p"), "--what", "color", "label"], program="predict")
     assert sorted(os.listdir(tmp_path / "p")) == ["color", "labels"]  # not trainIds/: these are not Cityscapes'
     with Image.open(tmp_path / "p" / "labels" / "street_0000.jpg.png") as indices:
         assert int(np.asarray(indices).max()) < 7
     with Image.open(tmp_path / "p" / "color" / "street_0000.jpg.png") as picture:
         colors = {tuple(c) for c in np.asarray(picture).reshape(-1, 3).tolist()}
     assert colors <= set(CATEGORY_COLORS), colors
-    with pytest.raises(SystemExit):
-        predict.main(predict.get_args_parser().parse_args(["--resume", os.path.join(out, "best.pth"), folder_data,
-                                                           "--format", "labelid"]))
-    assert "this model's classes are not Cityscapes'" in one_error_line(capsys, "predict.py: error: ")
+    line = main_fails(["--resume", os.path.join(out, "best.pth"), folder_data, "--format", "labelid"], capsys,
+                      program="predict")
+    assert "this model's classes are not Cityscapes'" in line, line
 
 
 def test_tensorboard_that_cannot_write_costs_the_curves_not_the_run(tiny_data, tmp_path, monkeypatch, capsys):
     from torch.utils.tensorboard import SummaryWriter
     monkeypatch.setattr(SummaryWriter, "add_scalar", no_space)
     out = str(tmp_path / "out")
-    main.main(main.get_args_parser().parse_args(["--data", tiny_data, "--output-dir", out, *TRAIN_ARGS, "--epochs",
-                                                 "1", "--tensorboard"]))
+    run_main(["--data", tiny_data, "--output-dir", out, *TRAIN_ARGS, "--epochs", "1", "--tensorboard"])
     said = capsys.readouterr()
     assert said.out.count("warning: TensorBoard cannot write ([Errno 28] No space left on device): no curves for "
                           "the rest of this run") == 1 and "Traceback" not in said.err, said
@@ -391,3 +384,31 @@ def test_an_image_of_any_size_up_to_the_limit_reads_without_a_warning_and_a_larg
             with pytest.raises(images.BadInput, match=r".png is 20000 x 20000 pixels, more than the 268,435,456 "
                                                       r"this program reads \(16384 x 16384\): cut it into tiles"):
                 read(path)
+
+
+def test_own_data_mistakes_name_their_real_cause(tmp_path, capsys):
+    import numpy as np
+    from PIL import Image
+    argv = [*TRAIN_ARGS, "--check-only", "1", "--output-dir", str(tmp_path / "o")]
+    data = own_data(tmp_path, [[[0, 1] * 3] * 4])
+    many = {"names": [f"c{i}" for i in range(256)]}
+    with open(os.path.join(data, "classes.json"), "w") as f:
+        json.dump(many, f)
+    line = main_fails(["--data", data, *argv], capsys)
+    assert "names 256 classes, but a mask of 8 bits a pixel holds at most 255 classes beside its ignore_index" in line
+    with open(os.path.join(data, "classes.json"), "w") as f:
+        json.dump({"names": ["a", "b"]}, f)
+    Image.new("RGB", (6, 4)).save(os.path.join(data, "images", "val", "y.webp"))
+    line = main_fails(["--data", data, *argv], capsys)
+    assert "y.webp: images are .jpg, .jpeg, .png files, and this format is not read" in line, line
+    os.remove(os.path.join(data, "images", "val", "y.webp"))
+    Image.new("L", (6, 4)).save(os.path.join(data, "masks", "val", "x0.jpg"))
+    line = main_fails(["--data", data, *argv], capsys)
+    assert "x0.jpg: masks are PNGs: JPEG's compression changes class indices" in line, line
+    os.remove(os.path.join(data, "masks", "val", "x0.jpg"))
+    exif = Image.Exif()
+    exif[0x0112] = 6  # a phone photo stored 6x4, seen 4x6; its mask drawn on the stored picture
+    Image.fromarray(np.zeros((4, 6, 3), np.uint8)).save(os.path.join(data, "images", "val", "x0.jpg"), exif=exif)
+    os.remove(os.path.join(data, "images", "val", "x0.png"))
+    line = main_fails(["--data", data, *argv], capsys)
+    assert "is 6x4 but its image is 4x6 as its EXIF orientation turns it (stored 6x4)" in line, line

@@ -2,6 +2,7 @@
 shares the images out; the ONNX export computes what PyTorch computes."""
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -13,7 +14,7 @@ from PIL import Image
 
 from harness import checkpoints
 from conftest import (ROOT, TRAIN_ARGS, built_once, fingerprint, finish_ranks, fork_main, fork_ranks, free_port,
-                      no_shared_memory_in_workers, no_space, one_error_line, run, varied_model)
+                      main_fails, no_shared_memory_in_workers, no_space, run, run_main, varied_model)
 from dataset import CLASS_COLORS, TRAINID_TO_ID
 import predict
 
@@ -104,9 +105,7 @@ def test_torchrun_two_processes_write_every_image_once(checkpoint, tmp_path):
 
 
 def _fails(argv, capsys):
-    with pytest.raises(SystemExit) as stop:
-        predict.main(predict.get_args_parser().parse_args(argv))
-    assert stop.value.code == 1
+    run_main(argv, code=1, program="predict")
     [line] = capsys.readouterr().err.splitlines()
     return line
 
@@ -147,27 +146,37 @@ def test_a_full_disk_ends_in_one_line(checkpoint, tmp_path, monkeypatch, capsys)
 
 
 @pytest.fixture(scope="module")
-def exported(tiny_data, tmp_path_factory):
+def two_process_run(tiny_data, tmp_path_factory):
     """A folder: run/best.pth, as main.py writes it on two processes (one epoch on tiny_data); best.pth, the same with
-    varied_model's weights (which predict many classes); model.onnx, predict.py's export of best.pth. Built once for
-    the whole run, by the first worker to ask: the export takes 20-50 s.
+    varied_model's weights (which predict many classes). Built once for the whole run, by the first worker to ask."""
+    def build(folder):
+        run_dir = os.path.join(folder, "run")
+        finish_ranks(fork_ranks(["--data", tiny_data, "--output-dir", run_dir, "--epochs", "1", *TRAIN_ARGS],
+                                os.path.join(folder, "logs")))
+        saved = torch.load(os.path.join(run_dir, "best.pth"), map_location="cpu", weights_only=True)
+        torch.save({**saved, "model": varied_model().state_dict()}, os.path.join(folder, "best.pth"))
+    return built_once(tmp_path_factory, "two_process_run", build)
+
+
+@pytest.fixture(scope="module")
+def exported(two_process_run, tmp_path_factory):
+    """A folder: best.pth, two_process_run's; model.onnx, predict.py's export of it. Built once for the whole run, by
+    the first worker to ask: torch's exporter takes 20-50 s, so the tests that use it are marked launch, and the
+    quick loop (-m "not launch") leaves them out.
 
     The export runs in a forked copy of this process. Seen with torch 2.14: after torch.export in a process that had
     run no backward yet, its first backward starts autograd's device threads, and each process forked from it
     afterwards fails its first backward ("Unable to handle autograd's threading in combination with fork-based
     multiprocessing"). In pytest's own process, that failed every later test that forks ranks."""
     def build(folder):
-        run_dir, best, path = (os.path.join(folder, name) for name in ("run", "best.pth", "model.onnx"))
-        finish_ranks(fork_ranks(["--data", tiny_data, "--output-dir", run_dir, "--epochs", "1", *TRAIN_ARGS],
-                                os.path.join(folder, "logs")))
-        saved = torch.load(os.path.join(run_dir, "best.pth"), map_location="cpu", weights_only=True)
-        torch.save({**saved, "model": varied_model().state_dict()}, best)
+        best, path = os.path.join(folder, "best.pth"), os.path.join(folder, "model.onnx")
+        shutil.copy(os.path.join(two_process_run, "best.pth"), best)
         exporter = fork_main(["--resume", best, "--export", path], f"{path}.log", program="predict")
         assert finish_ranks([exporter])[0].startswith(f"wrote {path}"), exporter
     return built_once(tmp_path_factory, "exported", build)
 
 
-@pytest.mark.long
+@pytest.mark.launch  # torch's exporter (the fixture): 20-50 s
 def test_onnx_export_computes_what_pytorch_computes(exported):
     session = onnxruntime.InferenceSession(os.path.join(exported, "model.onnx"), providers=["CPUExecutionProvider"])
     model = checkpoints.load_for_inference(os.path.join(exported, "best.pth"))[0]
@@ -228,10 +237,8 @@ def test_an_export_that_fails_leaves_the_earlier_one_as_it_was(trained, tmp_path
         raise OSError(28, os.strerror(28))
     monkeypatch.setattr(torch.export, "export", lambda *args, **kwargs: "a program")
     monkeypatch.setattr(torch.export, "save", save_half)
-    with pytest.raises(SystemExit):
-        predict.main(predict.get_args_parser().parse_args(["--resume", os.path.join(trained, "best.pth"),
-                                                            "--export", str(earlier)]))
-    line = one_error_line(capsys, "predict.py: error: ")
+    line = main_fails(["--resume", os.path.join(trained, "best.pth"), "--export", str(earlier)], capsys,
+                      program="predict")
     assert "no space left on device" in line, line
     assert fingerprint(str(tmp_path)) == before
 
@@ -244,10 +251,10 @@ def python_lines(heading):
     return block
 
 
-def test_load_best_pth_in_your_own_code_as_predict_md_says(exported, tmp_path, monkeypatch):
+def test_load_best_pth_in_your_own_code_as_predict_md_says(two_process_run, tmp_path, monkeypatch):
     """predict.md's lines, as written, in a folder laid out as the project's (output/demo/best.pth): on the best.pth of
     a run on two processes (DDP), whose keys have no "module." prefix. They build predict.py's model, in eval mode."""
-    trained = os.path.join(exported, "run", "best.pth")
+    trained = os.path.join(two_process_run, "run", "best.pth")
     os.makedirs(tmp_path / "output" / "demo")
     os.symlink(trained, tmp_path / "output" / "demo" / "best.pth")
     monkeypatch.chdir(tmp_path)
@@ -280,9 +287,8 @@ def test_predict_md_s_onnx_lines_run_outside_the_project(exported, tmp_path):
     (tmp_path / "other_machine.py").write_text(other_machine + python_lines("Predict on another machine"))
     run([PY, "other_machine.py"], cwd=str(tmp_path), env={"PYTHONPATH": ""})
     written = np.asarray(Image.open(tmp_path / "street.png"))
-    predict.main(predict.get_args_parser().parse_args([
-        "--resume", os.path.join(exported, "best.pth"), str(tmp_path / "street.jpg"), "--output-dir",
-        str(tmp_path / "out"), "--what", "label", "-j", "0"]))
+    run_main(["--resume", os.path.join(exported, "best.pth"), str(tmp_path / "street.jpg"), "--output-dir",
+              str(tmp_path / "out"), "--what", "label", "-j", "0"], program="predict")
     expected = np.asarray(Image.open(tmp_path / "out" / "trainIds" / "street.jpg.png"))
     assert written.shape == expected.shape == (100, 60) and written.dtype == np.uint8
     assert (written == expected).mean() > 0.999 and len(np.unique(expected)) >= 5
@@ -337,7 +343,6 @@ def test_floating_point_pixels_are_scaled_by_a_rule_that_is_said(checkpoint, tmp
     expected = np.rint(values.astype(np.float64) * 255).astype(np.uint8)
     for name in ("unit.tif", "bytes.tif"):
         assert np.array_equal(read_image(str(inputs / name))[..., 0], expected), name
-    predict.main(predict.get_args_parser().parse_args(["--resume", checkpoint, str(inputs), "-j", "0", "--output-dir",
-                                                       str(tmp_path / "out")]))
+    run_main(["--resume", checkpoint, str(inputs), "-j", "0", "--output-dir", str(tmp_path / "out")], program="predict")
     assert (f"note: 2 image(s) hold floating-point pixels (e.g. {inputs / 'bytes.tif'}): values all within 0-1 are "
             "scaled by 255, others clipped to 0-255") in capsys.readouterr().out

@@ -24,7 +24,8 @@ import torch
 import main
 from harness import checkpoints, job, paths, recovery, stops
 from conftest import (ROOT, SLOW_ARGS, TRAIN_ARGS, built_once, checkpoint_of, cpu_env, finish_ranks, fork_main,
-                      fork_ranks, free_port, main_fails, metrics, processes_mentioning, run_sh_workers_line, wait_in_file)
+                      fork_ranks, free_port, main_fails, metrics, processes_mentioning, run_main, run_sh_workers_line,
+                      wait_in_file)
 
 PY = sys.executable
 
@@ -232,9 +233,8 @@ def test_resume_with_another_number_of_processes(data24, straight, tmp_path, cap
     out = str(tmp_path / "out")  # epoch 0 done by 2 processes: 6 steps an epoch
     os.makedirs(out)
     shutil.copy(os.path.join(straight, "checkpoint.prev.pth"), os.path.join(out, "checkpoint.pth"))
-    import main  # in this process: 1 process, 12 steps an epoch
-    main.main(main.get_args_parser().parse_args(["--data", data24, "--output-dir", out, "--epochs", "2", "--resume",
-                                                 "auto", *SLOW_ARGS]))
+    # in this process: 1 process, 12 steps an epoch
+    run_main(["--data", data24, "--output-dir", out, "--epochs", "2", "--resume", "auto", *SLOW_ARGS])
     log = capfd.readouterr().out
     assert "a global batch of 4 (2 process(es) x -b 2 x --accum-steps 1)" in log and "not bitwise" in log
     records = metrics(out)
@@ -346,8 +346,7 @@ def test_bad_checkpoints_get_one_clear_line_and_auto_falls_back(data24, straight
     common = ["--data", tiny_data, "--output-dir", out, *TRAIN_ARGS]
     result = _fails_in_process(common + ["-e", "--resume", path], capfd)
     assert path in result and "truncated" in result
-    import main
-    main.main(main.get_args_parser().parse_args(common + ["--epochs", "2", "--resume", "auto"]))
+    run_main(common + ["--epochs", "2", "--resume", "auto"])
     log = capfd.readouterr().out
     assert f"{path} cannot be read" in log and "checkpoint.prev.pth at the start of epoch 1" in log
 
@@ -393,10 +392,7 @@ def _some(root, split, kind):
 def _fails_in_process(argv, capfd):
     """main.main() on argv must end with SystemExit(1), one 'main.py: error:' line and no traceback in all that
     this process and its DataLoader workers wrote (capfd: file descriptors 1 and 2); -> that line."""
-    import main
-    with pytest.raises(SystemExit) as exit_info:
-        main.main(main.get_args_parser().parse_args(argv))
-    assert exit_info.value.code == 1
+    run_main(argv, code=1)
     captured = capfd.readouterr()
     output = captured.out + captured.err
     errors = [line for line in output.splitlines() if "error:" in line]
@@ -560,7 +556,6 @@ def test_the_previous_checkpoint_keeps_its_folder_name(tmp_path):
     folder.mkdir(parents=True)
     path = str(folder / "checkpoint.pth")
     assert checkpoints.previous_path(path) == str(folder / "checkpoint.prev.pth")
-    import main
     for epoch in (1, 2):
         main.save_checkpoint({"epoch": epoch}, path)
     assert torch.load(str(folder / "checkpoint.prev.pth"), weights_only=True)["epoch"] == 1
@@ -706,8 +701,6 @@ ARGS_2026_11 = {
 
 def test_a_checkpoint_in_the_earlier_layout_still_resumes_evaluates_and_predicts(trained, tiny_data, tmp_path,
                                                                                capfd):
-    import main
-    import predict
     state = torch.load(os.path.join(trained, "checkpoint.pth"), weights_only=True)
     # (batch_size now lives in args alone; the model named is the one whose weights these are: the tests' tiny one)
     old = {key: state[key] if key in state else state["args"][key] for key in LAYOUT_2026_11} | {
@@ -715,17 +708,14 @@ def test_a_checkpoint_in_the_earlier_layout_still_resumes_evaluates_and_predicts
     out = str(tmp_path / "out")
     os.makedirs(out)
     torch.save(old, os.path.join(out, "checkpoint.pth"))
-    main.main(main.get_args_parser().parse_args(["--data", tiny_data, "--output-dir", out, *TRAIN_ARGS, "--epochs",
-                                                 "2", "--resume", "auto"]))
+    run_main(["--data", tiny_data, "--output-dir", out, *TRAIN_ARGS, "--epochs", "2", "--resume", "auto"])
     assert "resuming from" in capfd.readouterr().out and checkpoint_of(out)["epoch"] == 2
     torch.save(old, os.path.join(out, "old.pth"))
-    main.main(main.get_args_parser().parse_args(["--data", tiny_data, "--output-dir", out, *TRAIN_ARGS, "-e",
-                                                 "--resume", os.path.join(out, "old.pth")]))
+    run_main(["--data", tiny_data, "--output-dir", out, *TRAIN_ARGS, "-e", "--resume", os.path.join(out, "old.pth")])
     with open(os.path.join(out, "eval.json")) as f:
         assert json.load(f)["num_images"] == 5
-    predict.main(predict.get_args_parser().parse_args([os.path.join(tiny_data, "leftImg8bit", "val"), "--resume",
-                                                       os.path.join(out, "old.pth"), "-j", "0", "--what", "label",
-                                                       "--output-dir", str(tmp_path / "p")]))
+    run_main([os.path.join(tiny_data, "leftImg8bit", "val"), "--resume", os.path.join(out, "old.pth"), "-j", "0",
+              "--what", "label", "--output-dir", str(tmp_path / "p")], program="predict")
     assert len(os.listdir(tmp_path / "p" / "trainIds")) == 3  # 5 images in 3 city folders
 
 
@@ -757,10 +747,9 @@ def test_a_stop_in_the_middle_of_an_accumulation_finishes_its_step_and_resumes_b
     does. Resumed with another layout of the same global batch (-b 4, no accumulation), it goes on at the same
     step without a note."""
     import dataset
-    import main
     common = ["--data", data24, *TRAIN_ARGS, "--accum-steps", "2", "--epochs", "1"]  # 6 steps of 2 batches of 2
     straight, out, other = (str(tmp_path / name) for name in ("straight", "out", "other"))
-    main.main(main.get_args_parser().parse_args(common + ["--output-dir", straight]))
+    run_main(common + ["--output-dir", straight])
     reads, read = [], dataset.SegmentationFiles.__getitem__
 
     def signal_between_two_batches(self, index):
@@ -770,16 +759,15 @@ def test_a_stop_in_the_middle_of_an_accumulation_finishes_its_step_and_resumes_b
                 stops._on_signal(signal.SIGTERM, None)
         return read(self, index)
     monkeypatch.setattr(dataset.SegmentationFiles, "__getitem__", signal_between_two_batches)
-    main.main(main.get_args_parser().parse_args(common + ["--output-dir", out]))
+    run_main(common + ["--output-dir", out])
     monkeypatch.setattr(dataset.SegmentationFiles, "__getitem__", read)
     said = capfd.readouterr().out
     assert "stopped by signal 15 at epoch 0 step 3/6" in said, said  # step 1 finished, step 2 ran, then all stopped
     assert checkpoint_of(out)["step"] == 3 and checkpoint_of(out)["args"]["accum_steps"] == 2
     shutil.copytree(out, other)
-    main.main(main.get_args_parser().parse_args(common + ["--output-dir", out, "--resume", "auto"]))
+    run_main(common + ["--output-dir", out, "--resume", "auto"])
     _assert_same_weights(straight, out)
-    main.main(main.get_args_parser().parse_args(common + ["--output-dir", other, "--resume", "auto", "-b", "4",
-                                                          "--accum-steps", "1"]))
+    run_main(common + ["--output-dir", other, "--resume", "auto", "-b", "4", "--accum-steps", "1"])
     said = capfd.readouterr().out
     assert "at epoch 0 after step 3" in said and "note: the checkpoint was trained" not in said, said
     assert "epoch 0 step 4/6" in said and "epoch 0 step 3/6" not in said, said
@@ -843,9 +831,7 @@ def test_a_program_leaves_its_objects_out_of_the_interpreter_s_last_collection(t
         assert result.returncode == 0 and result.stdout == said, (frozen, result.stdout, result.stderr)
     registered = []  # recovery's own atexit replaced, not the module: whatever else registers meanwhile is not lost
     monkeypatch.setattr(recovery, "atexit", SimpleNamespace(register=registered.append, unregister=lambda f: None))
-    import main
-    main.main(main.get_args_parser().parse_args(["--data", tiny_data, "--output-dir", str(tmp_path / "out"),
-                                                 *TRAIN_ARGS, "--check-only", "1"]))
+    run_main(["--data", tiny_data, "--output-dir", str(tmp_path / "out"), *TRAIN_ARGS, "--check-only", "1"])
     assert registered == [gc.freeze]
 
 
@@ -928,7 +914,7 @@ def test_a_process_killed_inside_torch_save_loses_nothing_and_the_same_command_r
     assert killed.process.exitcode == -signal.SIGKILL, pathlib.Path(killed.output).read_text()
     assert (out / "checkpoint.pth").read_bytes() == before  # the checkpoint before, whole
     assert [name for name in os.listdir(out) if name.startswith("checkpoint.pth.") and name.endswith(".tmp")]
-    main.main(main.get_args_parser().parse_args(command))  # the same command
+    run_main(command)  # the same command
     assert checkpoints.read("--resume", str(out / "checkpoint.pth"))["epoch"] == 2
     assert (out / "checkpoint.prev.pth").read_bytes() == before
     assert [r["epoch"] for r in metrics(str(out))] == [0, 1]  # the killed epoch's line once, from the resumed run
@@ -938,10 +924,75 @@ def test_a_process_killed_inside_torch_save_loses_nothing_and_the_same_command_r
 def test_a_resume_that_changes_the_learning_rates_base_says_so(tiny_data, tmp_path, capsys):
     """--base-batch scales --lr with the global batch: a run resumed with another global batch (another number of
     GPUs under run.sh) goes on at another base rate, and says both."""
-    import main
     out = str(tmp_path / "out")
     common = ["--data", tiny_data, "--output-dir", out, *TRAIN_ARGS, "--epochs", "2", "--base-batch", "4"]
-    main.main(main.get_args_parser().parse_args([*common, "--epochs", "1", "-b", "2"]))  # 0.1 x 2/4
+    run_main([*common, "--epochs", "1", "-b", "2"])  # 0.1 x 2/4
     capsys.readouterr()
-    main.main(main.get_args_parser().parse_args([*common, "--resume", "auto", "-b", "4"]))  # 0.1 x 4/4
+    run_main([*common, "--resume", "auto", "-b", "4"])  # 0.1 x 4/4
     assert "note: the learning rate's base is 0.1 now, 0.05 before (--lr 0.1 x 4/4)" in capsys.readouterr().out
+
+
+# --- out of memory: one line, said by the rank that ran out, no restart ----------------------------------------------
+def _runs_out_of_memory(monkeypatch, when, cpu=False):
+    """DeepLab's forward raises torch.OutOfMemoryError (as CUDA's allocator does; cpu: the RuntimeError the CPU's
+    allocator raises) when when(calls, training) says; the device's memory reads 24 GiB, 22.5 at the peak."""
+    import models
+    from harness import recovery
+    forward, calls = models.DeepLab.forward, []
+
+    def forward_or_out_of_memory(self, images):
+        calls.append(1)
+        if when(len(calls), torch.is_grad_enabled()):
+            if cpu:
+                raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate "
+                                   "memory: you tried to allocate 2147483648 bytes. Error code 12")
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return forward(self, images)
+    monkeypatch.setattr(models.DeepLab, "forward", forward_or_out_of_memory)
+    monkeypatch.setattr(recovery, "memory_figures", lambda: ("GPU 0", 24.0, 22.5))
+
+
+@pytest.mark.usefixtures("on_the_cpu")
+def test_out_of_memory_in_a_step_or_the_evaluation_ends_in_one_line_that_says_what_to_change(tiny_data, tmp_path,
+                                                                                             monkeypatch, capsys):
+    common = ["--data", tiny_data, *TRAIN_ARGS, "--epochs", "1"]
+    _runs_out_of_memory(monkeypatch, lambda calls, training: calls == 3)  # the third step
+    line = main_fails(common + ["--output-dir", str(tmp_path / "a")], capsys)
+    assert line == ("main.py: error: out of memory in a training step (-b 2 per process x --accum-steps 1, crop 32x32, "
+                    "fp32; GPU 0: 24.0 GiB in all, 22.5 GiB at the peak): try --amp bf16, -b 1 --accum-steps 2 (the "
+                    "same global batch), or a smaller --crop-size"), line
+    assert not os.path.exists(tmp_path / "a" / "checkpoint.pth")
+    _runs_out_of_memory(monkeypatch, lambda calls, training: not training)  # the first val image
+    line = main_fails(common + ["--output-dir", str(tmp_path / "b"), "--amp", "bf16"], capsys)
+    assert line == ("main.py: error: out of memory in the evaluation (val images whole, at full resolution, one at a "
+                    "time, bf16; GPU 0: 24.0 GiB in all, 22.5 GiB at the peak): try a sliding window, --eval-crop 769 "
+                    "(mmsegmentation's)"), line
+    monkeypatch.setenv("DEEPLAB_RUN_SH", "1")  # the advice as run.sh's user types it; the CPU's allocator this time
+    _runs_out_of_memory(monkeypatch, lambda calls, training: training, cpu=True)
+    line = main_fails(common + ["--output-dir", str(tmp_path / "c"), "-b", "3", "--accum-steps", "2"], capsys)
+    assert line.endswith("try --amp bf16, -b 1 --accum-steps 6 (the same global batch), or a smaller --crop-size "
+                         "(after ./run.sh)"), line
+
+
+@pytest.mark.usefixtures("on_the_cpu")
+def test_out_of_memory_in_predict_py_ends_in_one_line(trained, tmp_path, monkeypatch, capsys):
+    _runs_out_of_memory(monkeypatch, lambda calls, training: True)
+    line = main_fails(["--resume", os.path.join(trained, "best.pth"), os.path.join(trained, "vis"), "-j", "0",
+                       "--output-dir", str(tmp_path / "p")], capsys, program="predict")
+    assert line == ("predict.py: error: out of memory in a prediction (-b 4 images of one size per forward, whole, at "
+                    "full resolution, fp32; GPU 0: 24.0 GiB in all, 22.5 GiB at the peak): try --amp bf16, -b 1, or "
+                    "a sliding window, --eval-crop 769"), line
+
+
+@pytest.mark.usefixtures("on_the_cpu")
+def test_a_master_port_taken_by_another_program_is_named(tiny_data, tmp_path, monkeypatch, capsys):
+    import socket
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        for name, value in {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                            "MASTER_PORT": port}.items():
+            monkeypatch.setenv(name, value)
+        line = main_fails(["--data", tiny_data, "--output-dir", str(tmp_path / "out"), *TRAIN_ARGS], capsys)
+    assert f"MASTER_PORT {port} is taken on this machine by another program (another run?): give another" in line, line

@@ -4,6 +4,7 @@ import contextlib
 import multiprocessing
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -14,14 +15,10 @@ import torch
 
 import dataset
 import main
-from harness import checkpoints, job, stops
-from conftest import (ROOT, TRAIN_ARGS, cpu_env, fork_main, free_port, no_shared_memory_in_workers, one_error_line,
-                      processes_mentioning, wait_in_file)
+from harness import checkpoints, job, paths, stops
+from conftest import (ROOT, TRAIN_ARGS, cpu_env, fingerprint, fork_main, free_port, no_shared_memory_in_workers,
+                      one_error_line, processes_mentioning, run_main, wait_in_file)
 
-
-
-def _train(argv):
-    main.main(main.get_args_parser().parse_args(argv))
 
 
 def _signal_on_a_read(monkeypatch, evaluation, at=1):
@@ -43,18 +40,17 @@ def test_a_stop_during_the_evaluation_and_during_the_last_ones(tiny_data, tmp_pa
     out = str(tmp_path / "out")
     common = ["--data", tiny_data, "--output-dir", out, *TRAIN_ARGS, "--epochs", "2", "--resume", "auto"]
     restore = _signal_on_a_read(monkeypatch, evaluation=True)
-    _train(common)  # the first epoch's evaluation: the epoch is finished, saved, and the run stops
-    said = capsys.readouterr().out
+    said = run_main(common, capsys)  # the first epoch's evaluation: the epoch is finished, saved, and the run stops
     assert "stopped by signal after an epoch; saved" in said and "run the same command with --resume auto" in said
     assert checkpoints.read("--resume", os.path.join(out, "checkpoint.pth"))["epoch"] == 1
     restore()
     restore = _signal_on_a_read(monkeypatch, evaluation=True)
-    _train(common)  # the advice followed; stopped again during the last epoch's evaluation: training is done
-    said = capsys.readouterr().out
+    # The advice followed; stopped again during the last epoch's evaluation: training is done.
+    said = run_main(common, capsys)
     assert "at the start of epoch 1" in said and "training had finished, nothing is left to stop" in said, said
     assert "done: best mIoU" in said
     restore()
-    _train(common)
+    run_main(common)
     assert "nothing to train" in capsys.readouterr().out
 
 
@@ -66,8 +62,7 @@ def test_a_stop_before_training_began_ends_at_once_and_writes_nothing(tiny_data,
         return check(self, *args, **kwargs)
     monkeypatch.setattr(dataset.SegmentationFiles, "check_files", signal_while_the_data_is_checked)
     out = tmp_path / "out"
-    _train(["--data", tiny_data, "--output-dir", str(out), *TRAIN_ARGS, "--epochs", "1"])
-    said = capsys.readouterr().out
+    said = run_main(["--data", tiny_data, "--output-dir", str(out), *TRAIN_ARGS, "--epochs", "1"], capsys)
     assert "stopped by signal 2 before training began: nothing was trained" in said and not out.exists(), said
 
 
@@ -81,12 +76,11 @@ def test_a_stop_while_a_checkpoint_is_written_keeps_it_whole(tiny_data, tmp_path
             stops._on_signal(signal.SIGTERM, None)
         return save(state, f, *args, **kwargs)
     monkeypatch.setattr(torch, "save", signal_in_the_middle)
-    _train(common)
+    run_main(common)
     monkeypatch.setattr(torch, "save", save)
     assert "stopped by signal after an epoch" in capsys.readouterr().out
     assert checkpoints.read("--resume", os.path.join(out, "checkpoint.pth"))["epoch"] == 1  # whole: its CRC-32s good
-    _train(common)
-    said = capsys.readouterr().out
+    said = run_main(common, capsys)
     assert "at the start of epoch 1" in said and "done:" in said, said
 
 
@@ -304,22 +298,51 @@ def test_a_run_under_run_sh_takes_back_the_sigterm_its_torchrun_leaves_ignored(t
     monkeypatch.setenv("DEEPLAB_RUN_SH", "1")
     before = signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
-        _train(["--data", tiny_data, "--output-dir", str(tmp_path / "out"), *TRAIN_ARGS, "--check-only", "1"])
+        run_main(["--data", tiny_data, "--output-dir", str(tmp_path / "out"), *TRAIN_ARGS, "--check-only", "1"])
         assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
     finally:
         signal.signal(signal.SIGTERM, before)
         job.RUN.env = job.Environment()  # (the next test's run reads its own)
 
 
-@pytest.mark.parametrize("how", ["killed", "shared memory", "a batch not handed over", "too many open files",
-                                 "another cause"])
+# /dev/shm a tmpfs of 1 MiB in a mount namespace of its own (as root, or where user namespaces allow it): the rest
+# of the machine keeps its own.
+SMALL_DEV_SHM = ["unshare", "-m", "sh", "-c", 'mount -t tmpfs -o size=1M tmpfs /dev/shm && exec "$@"', "sh"]
+
+
+def _in_a_small_dev_shm(command):
+    """command run with a /dev/shm of 1 MiB (SMALL_DEV_SHM); skipped, with the reason, where this machine refuses
+    a mount namespace or the mount. -> (its exit status, all it printed)."""
+    if shutil.which("unshare") is None:
+        pytest.skip("no unshare here (util-linux), to give a command a small /dev/shm of its own")
+    probe = subprocess.run(SMALL_DEV_SHM + ["true"], capture_output=True, text=True, timeout=30)
+    if probe.returncode != 0:
+        pytest.skip(f"a mount namespace with a small /dev/shm of its own is refused here ({probe.stderr.strip()})")
+    result = subprocess.run(SMALL_DEV_SHM + command, cwd=ROOT, env=cpu_env(), capture_output=True, text=True,
+                            timeout=120)
+    return result.returncode, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("how", ["killed", pytest.param("shared memory", marks=pytest.mark.launch),
+                                 "a batch not handed over", "too many open files", "another cause"])
 def test_a_data_worker_that_dies_or_finds_no_shared_memory_ends_in_one_line(tiny_data, tmp_path, monkeypatch,
                                                                             capsys, how):
     """A DataLoader worker killed (SIGKILL: the out-of-memory killer's signal) or short of shared memory (a small
     /dev/shm: Docker's 64 MB) ended in torch's traceback, or hung where the batch was lost in the queue's feeder
     thread. Now one line that names the cause and what to change (-j, memory, --shm-size) and keeps the checkpoint.
-    The worker here kills itself, raises torch's own words for a full /dev/shm, or meets them as its batch is put on
-    the queue (no_shared_memory_in_workers)."""
+    The worker here kills itself; or main.py runs with a real /dev/shm of 1 MiB, where its batches of 256x256 crops
+    do not fit; or torch's words for a full /dev/shm, or for another failure, are met as its batch is put on the
+    queue (no_shared_memory_in_workers)."""
+    argv = ["--data", tiny_data, "--output-dir", str(tmp_path / "out"), "--epochs", "1", *TRAIN_ARGS, "-j", "2"]
+    if how == "shared memory":  # a fresh main.py: the mount namespace is a process's own
+        code, output = _in_a_small_dev_shm([sys.executable, "main.py", *argv, "--crop-size", "256"])
+        errors = [line for line in output.splitlines() if "error:" in line]
+        assert code == 1 and "Traceback" not in output and len(errors) == 1, output
+        [line] = errors
+        assert re.search(r"shared memory \(/dev/shm, [01] MiB free\) is most likely too small", line), line
+        assert "--shm-size=8g" in line and "give -j 1 or -j 0" in line, line
+        assert "run the same command with --resume auto" in line, line
+        return
     if how == "a batch not handed over":
         no_shared_memory_in_workers(monkeypatch)
     if how == "too many open files":  # a batch that fails in the feeder thread for another reason: said as it is
@@ -330,20 +353,14 @@ def test_a_data_worker_that_dies_or_finds_no_shared_memory_ends_in_one_line(tiny
                                                  "mode: Permission denied (13)")
 
     def fail_in_a_worker(self, index):
-        if how in ("a batch not handed over", "too many open files", "another cause"):
-            return real(self, index)
-        if torch.utils.data.get_worker_info() is not None:
-            if how == "killed":
-                os.kill(os.getpid(), signal.SIGKILL)
-            raise RuntimeError("unable to allocate shared memory(shm) for file </torch_4242_0_0>: No space left on "
-                               "device (28)")
+        if how == "killed" and torch.utils.data.get_worker_info() is not None:
+            os.kill(os.getpid(), signal.SIGKILL)
         return real(self, index)
     real = dataset.SegmentationFiles.__getitem__
     monkeypatch.setattr(dataset.SegmentationFiles, "__getitem__", fail_in_a_worker)
-    argv = ["--data", tiny_data, "--output-dir", str(tmp_path / "out"), "--epochs", "1", *TRAIN_ARGS, "-j", "2"]
     before = set(multiprocessing.active_children())
     with pytest.raises(SystemExit) as stop:
-        main.main(main.get_args_parser().parse_args(argv))
+        run_main(argv)
     assert stop.value.code == 1
     # Its workers have ended with main(), though the error that ended it is still held here (stop): not kept until a
     # garbage collection, which would take 5 s for each (recovery._say_record_and_exit).
@@ -368,3 +385,68 @@ def test_a_data_worker_that_dies_or_finds_no_shared_memory_ends_in_one_line(tiny
         assert "shared memory (/dev/shm" in line and "--shm-size=8g" in line, line
     assert ("give -j 1 or -j 0" in line or how in ("too many open files", "another cause")) \
         and "run the same command with --resume auto" in line, line
+
+
+@pytest.mark.usefixtures("on_the_cpu")
+def test_the_advice_after_a_stop_continues_the_run_instead_of_starting_over(tiny_data, trained, tmp_path,
+                                                                              monkeypatch, capsys):
+    import dataset
+    import signal
+    out = str(tmp_path / "out")
+    shutil.copytree(trained, out)
+    read = dataset.SegmentationFiles.__getitem__
+
+    def signal_at_the_first_read(self, index):  # SIGTERM during the first step: the ranks stop one step later
+        if self.crop_size is not None and job.RUN.stops.signal is None:
+            stops._on_signal(signal.SIGTERM, None)
+        return read(self, index)
+    monkeypatch.setattr(dataset.SegmentationFiles, "__getitem__", signal_at_the_first_read)
+    common = ["--data", tiny_data, "--output-dir", out, *TRAIN_ARGS, "--epochs", "2"]
+    best = os.path.join(out, "best.pth")
+    said = run_main(common + ["--resume", best], capsys)
+    assert "stopped by signal 15 at epoch 1 step 2/4" in said, said
+    assert f"run the same command with --resume auto in place of --resume {best}" in said, said
+    monkeypatch.setattr(dataset.SegmentationFiles, "__getitem__", read)
+    stop = tmp_path / "stop"
+    stop.write_text("TERM")  # run.sh writes the first signal here: a worker started (again) after it ends at once
+    monkeypatch.setenv("DEEPLAB_STOP_FILE", str(stop))
+    before = fingerprint(out)
+    said = run_main(common + ["--resume", "auto"], capsys, code=0)
+    assert "stopped before it began its work" in said and fingerprint(out) == before, said
+    monkeypatch.delenv("DEEPLAB_STOP_FILE")
+    said = run_main(common + ["--resume", "auto"], capsys)  # the advice, followed
+    assert f"resuming from {os.path.join(out, 'checkpoint.pth')} at epoch 1 after step 2" in said, said
+
+
+@pytest.mark.usefixtures("on_the_cpu")
+@pytest.mark.parametrize("moment, target", [
+    ("taking the output folder", (paths, "_open_and_lock")),
+    ("checking a checkpoint's CRC-32s", (__import__("zipfile").ZipFile, "testzip")),
+    ("reading a checkpoint", (torch, "load")),
+    ("checking the data", (__import__("dataset"), "seen_size")),
+    ("building the model", (main, "build_model")),
+])
+def test_a_stop_at_any_moment_before_training_ends_the_run_and_changes_nothing(moment, target, tiny_data, trained,
+                                                                                tmp_path, monkeypatch, capsys):
+    """The stop signal, sent to this process at that moment, ends the run there: never taken for a damaged file
+    by code that catches errors (the checkpoint rewound to the one before it, a good image called unreadable)."""
+    import signal
+    out = str(tmp_path / "out")
+    shutil.copytree(trained, out)
+    shutil.copy(os.path.join(out, "checkpoint.pth"), os.path.join(out, "checkpoint.prev.pth"))
+    before = fingerprint(out)
+    owner, name = target
+    real, sent = getattr(owner, name), []
+
+    def stopped_there(*args, **kwargs):
+        if not sent:
+            sent.append(signal.SIGTERM)
+            os.kill(os.getpid(), signal.SIGTERM)  # its handler runs at the next bytecode: in here
+        return real(*args, **kwargs)
+    monkeypatch.setattr(owner, name, stopped_there)
+    run_main(["--data", tiny_data, "--output-dir", out, *TRAIN_ARGS, "--epochs", "2", "--resume", "auto"])
+    said = capsys.readouterr()
+    assert sent and "Traceback" not in said.err, said
+    assert f"stopped by signal {int(signal.SIGTERM)} before training began: nothing was trained" in said.out, said
+    assert not any(word in said.out + said.err for word in ("warning", "damaged", "cannot", "error")), said
+    assert fingerprint(out) == before  # no rewind, nothing set aside, the folder let go

@@ -146,11 +146,22 @@ def test_torch_distributed_launch_passes_local_rank_with_a_dash(launched):
 
 
 # --- process groups, samplers, loaders ----------------------------------------------------------------------------
-def test_process_groups_time_out_after_30_minutes_with_gloo_and_10_with_nccl_by_default(ddp_seen, monkeypatch):
-    """gloo: the timeout the forked ranks' group holds, made without one. NCCL: the one init_process_group chooses
-    for it, stopped just after the choice (a NCCL group needs a GPU: it would be refused here)."""
+def test_a_gloo_process_group_times_out_after_30_minutes_by_default(ddp_seen):
+    """The timeout the forked ranks' gloo group holds, made without one; torch's constant for every backend but
+    NCCL says the same. On every build of torch, the CPU's too."""
+    from torch.distributed import constants
     assert ddp_seen["gloo_group_timeout_s"] == 30 * 60
-    from torch.distributed import distributed_c10d
+    assert constants.default_pg_timeout == timedelta(minutes=30)
+
+
+def test_a_nccl_group_times_out_after_10_minutes_where_torch_has_nccl_and_after_30_with_a_warning_where_not(
+        monkeypatch):
+    """The timeout init_process_group chooses for a NCCL group made without one, stopped just after the choice (a
+    NCCL group needs a GPU: it would be refused here). A torch built with NCCL has the constant
+    default_pg_nccl_timeout, 10 minutes, and chooses it; the CPU build has none, and chooses the others' 30 minutes,
+    with a warning. Each build proves its own half."""
+    import warnings
+    from torch.distributed import constants, distributed_c10d
     chooser, chosen = distributed_c10d._get_default_timeout, []
 
     class Chosen(Exception):
@@ -160,11 +171,17 @@ def test_process_groups_time_out_after_30_minutes_with_gloo_and_10_with_nccl_by_
         chosen.append((str(backend), chooser(backend)))
         raise Chosen
     monkeypatch.setattr(distributed_c10d, "_get_default_timeout", choosing)
-    with pytest.raises(Chosen):
+    with warnings.catch_warnings(record=True) as warned, pytest.raises(Chosen):
+        warnings.simplefilter("always")
         dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
     assert not dist.is_initialized()
-    if dist.is_nccl_available():  # a torch built without NCCL gives it the others' 30 minutes, and a warning
-        assert chosen == [("nccl", timedelta(minutes=10))]
+    said = [str(warning.message) for warning in warned]
+    if constants.default_pg_nccl_timeout is not None:  # built with NCCL
+        assert constants.default_pg_nccl_timeout == timedelta(minutes=10) and dist.is_nccl_available()
+        assert chosen == [("nccl", timedelta(minutes=10))] and not any("NCCL" in words for words in said), said
+    else:
+        assert chosen == [("nccl", timedelta(minutes=30))] and not dist.is_nccl_available()
+        assert any("NCCL support is not compiled" in words for words in said), said
 
 
 def test_distributed_sampler_pads_every_share_to_one_length_by_repeating_indices():
@@ -806,14 +823,14 @@ def test_torch_compile_splits_a_ddp_models_graph_at_its_buckets_by_default(ddp_s
     assert ddp_seen["compiled_graphs_eager"] == 0 and ddp_seen["compiled_gradients_equal_eager"]
 
 
-def test_torchs_nccl_library_carries_its_warning_for_a_missing_destroy_process_group():
+def test_a_torch_built_with_cuda_carries_nccls_warning_for_a_missing_destroy_process_group():
     """NCCL needs GPUs, so its warning at exit cannot be seen here: this reads it from torch's CUDA library, where
-    ProcessGroupNCCL prints it when a process ends without destroy_process_group(). Skipped for a torch built
-    without CUDA."""
+    ProcessGroupNCCL prints it when a process ends without destroy_process_group(). A torch built without CUDA (the
+    CPU build) has no NCCL, so neither the warning nor the library: there the test is skipped, saying so."""
     import mmap
     library = os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cuda.so")
     if not os.path.exists(library):
-        pytest.skip("this torch has no CUDA library")
+        pytest.skip("a torch built without CUDA (the CPU build) has no NCCL, whose warning this reads")
     with open(library, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
         assert data.find(b"destroy_process_group() was not called before program exit, which can leak resources") >= 0
 
