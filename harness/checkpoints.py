@@ -294,72 +294,49 @@ def _class_misfits(classes, classifier):
 
 
 def _training_misfits(checkpoint):
-    """What main.py's train() reads to go on from a checkpoint (TRAINING_STATE, present), and what _continued reads
-    of its global batch, each of the type and range this version writes. -> [what does not fit]."""
-    problems = []
-    for key in ("epoch", "step"):
-        if not _whole(checkpoint[key]):
-            problems.append(f"its {key} is {checkpoint[key]!r}, not a whole number of at least 0")
-    best = checkpoint["best_miou"]
+    """What main.py's train() and _continued read of a checkpoint's position and global batch (TRAINING_STATE
+    present), each of the type and range this version writes. -> [what does not fit]."""
+    saved = saved_args(checkpoint)
+    numbers = [("epoch", checkpoint["epoch"], 0), ("step", checkpoint["step"], 0)] + [
+        (f"{where}{key}", (saved if where else checkpoint).get(key, 1), 1) for where, key in (
+            ("", "world_size"), ("", "batch_size"), ("", "accum_steps"), ("args' ", "batch_size"),
+            ("args' ", "accum_steps"), ("args' ", "epochs"))]
+    problems = [f"its {key} is {value!r}, not a whole number of at least {low}" for key, value, low in numbers
+                if not _whole(value, low)]
+    best, loss = checkpoint["best_miou"], checkpoint.get("epoch_loss_sum", 0.0)
     if not (_real(best) and (best == -math.inf or 0 <= best <= 1)):
         problems.append(f"its best_miou is {best!r}, neither an mIoU from 0 to 1 nor -inf (none yet)")
-    if "epoch_loss_sum" in checkpoint:
-        loss = checkpoint["epoch_loss_sum"]
-        if not (_real(loss) and 0 <= loss < math.inf):
-            problems.append(f"its epoch_loss_sum is {loss!r}, not a loss of at least 0")
-    elif checkpoint["step"] != 0:  # at an epoch's start the sum is 0, and _continued says so
+    if not (_real(loss) and 0 <= loss < math.inf):
+        problems.append(f"its epoch_loss_sum is {loss!r}, not a loss of at least 0")
+    if "epoch_loss_sum" not in checkpoint and checkpoint["step"] != 0:  # at an epoch's start the sum is 0
         problems.append(f"it holds no epoch_loss_sum, the loss of the steps of its epoch done (step "
                         f"{checkpoint['step']!r})")
-    scaler = checkpoint["scaler"]
-    keys = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")  # GradScaler's
-    if not isinstance(scaler, dict) or (scaler and not all(_real(scaler.get(key)) for key in keys)):
-        problems.append("its scaler is not a GradScaler's state (empty without --amp fp16)")
-    problems += _optimizer_misfits(checkpoint["optimizer"])
-    saved = saved_args(checkpoint)
-    for where, key in (("", "world_size"), ("", "batch_size"), ("", "accum_steps"), ("args' ", "batch_size"),
-                       ("args' ", "accum_steps"), ("args' ", "epochs")):
-        value = (saved if where else checkpoint).get(key)
-        if value is not None and not _whole(value, 1):
-            problems.append(f"its {where}{key} is {value!r}, not a whole number of at least 1")
     return problems
 
 
-def _optimizer_misfits(optimizer):
-    """main.py's make_optimizer's state: SGD, two parameter groups (the backbone's, the head's)."""
-    if not (isinstance(optimizer, dict) and isinstance(optimizer.get("state"), dict)
-            and isinstance(optimizer.get("param_groups"), list) and all(
-                isinstance(group, dict) and isinstance(group.get("params"), list)
-                for group in optimizer["param_groups"])):
-        return ["its optimizer is not an optimizer's state dict"]
-    groups = optimizer["param_groups"]
-    if len(groups) != 2:
-        return [f"its optimizer has {len(groups)} parameter group(s), not 2 (the backbone's and the head's)"]
-    hyper = ("lr", "momentum", "dampening", "weight_decay")  # what SGD's step reads that it sets no default for
-    kinds = {key for entry in optimizer["state"].values() for key in (entry if isinstance(entry, dict) else ["?"])}
-    if any(not _real(group.get(key)) for group in groups for key in hyper) or kinds - {"momentum_buffer"}:
-        held = sorted(kinds - {"momentum_buffer"}) or sorted(set(groups[0]) - {"params"})
-        return [f"its optimizer is not SGD's (it holds {', '.join(held)})"]
-    return []
-
-
-def _optimizer_fits(checkpoint, model_name, num_classes, output_stride):
-    """The optimizer's groups and momentum buffers against the model's parameters, in make_optimizer's order (the
-    backbone's, then the rest), built on the meta device. -> [what does not fit]."""
+def _check_restore(checkpoint, path, model_name, num_classes, output_stride):
+    """main.py's restore(), tried first where it costs nothing: the optimizer's state loaded into SGD's two groups
+    (make_optimizer's: the backbone's, then the rest) over the model built on the meta device, and one step taken
+    there (a momentum buffer of another shape fails it); the scaler's into a GradScaler. torch's own error, or
+    another optimizer's state left beside SGD's momentum, refuses the checkpoint in one line."""
     with torch.device("meta"):
         model = build_model(model_name, num_classes, output_stride)
     backbone = list(model.backbone.parameters())
     head = [p for p in model.parameters() if id(p) not in {id(q) for q in backbone}]
-    groups, state = checkpoint["optimizer"]["param_groups"], checkpoint["optimizer"]["state"]
-    counts = [len(group["params"]) for group in groups]
-    if counts != [len(backbone), len(head)]:
-        return [f"its optimizer's groups hold {counts[0]} and {counts[1]} tensors, but {model_name}'s backbone "
-                f"and head have {len(backbone)} and {len(head)}"]
-    shapes = dict(zip(groups[0]["params"] + groups[1]["params"], [p.shape for p in backbone + head]))
-    wrong = [key for key, entry in state.items() if key not in shapes or (
-        isinstance(entry.get("momentum_buffer"), torch.Tensor) and entry["momentum_buffer"].shape != shapes[key])]
-    if wrong:
-        return [f"{len(wrong)} of its optimizer's momentum buffers fit no parameter of {model_name}"]
-    return []
+    optimizer = torch.optim.SGD([{"params": backbone}, {"params": head}])
+    try:
+        optimizer.load_state_dict(checkpoint["optimizer"])
+        for parameter in model.parameters():
+            parameter.grad = torch.zeros_like(parameter)
+        optimizer.step()
+        other = {key for state in optimizer.state.values() for key in state} - {"momentum_buffer"}
+        if other:
+            raise ValueError(f"another optimizer's state: it holds {', '.join(sorted(other))}")
+        if checkpoint["scaler"]:  # empty when saved without --amp fp16, and not loaded (restore())
+            torch.amp.GradScaler("cpu").load_state_dict(checkpoint["scaler"])
+    except Exception as error:  # whatever restore() would meet: this dry run touches no data and no device
+        _refuse_training(checkpoint, path, [f"its optimizer or scaler does not load into main.py's SGD and "
+                                            f"GradScaler ({type(error).__name__}: {first_line(error)})"])
 
 
 def _refuse_training(checkpoint, path, problems):
@@ -524,9 +501,7 @@ def checked(checkpoint, args, train_set, val_set):
                checkpoint)
     if args.evaluate:
         return checkpoint
-    problems = _optimizer_fits(checkpoint, args.model, len(classes["names"]), args.output_stride)
-    if problems:
-        _refuse_training(checkpoint, path, problems)
+    _check_restore(checkpoint, path, args.model, len(classes["names"]), args.output_stride)
     return _continued(dict(checkpoint), args, len(train_set))
 
 
