@@ -23,14 +23,13 @@ import json
 import math
 import os
 import pickle
-import pickletools
 import zipfile
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
-from . import job, paths, stops
+from . import job, paths, records, stops
 from dataset import CLASS_COLORS, CLASS_NAMES, default_colors
 from .errors import UserError, fail, first_line
 from .job import RUN, log, named
@@ -124,10 +123,9 @@ def read(flag, path):
         checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
     except Exception as error:
         # torch's own advice for what weights_only refuses (load it with weights_only=False) is not ours to give.
-        # Objects, code: refused, not damaged. Judged by the pickle's bytes (a zip file's); a legacy file, by torch's
-        # words for a refused global.
-        if isinstance(error, pickle.UnpicklingError) and (_pickle_is_whole(path) or "nsupported global" in str(error)
-                                                          or "unsupported GLOBAL" in str(error)):
+        # Objects, code: refused, not damaged (the pickle passed its CRC-32, where it has one): torch names the
+        # GLOBAL it refuses, a class or a function.
+        if isinstance(error, pickle.UnpicklingError) and "GLOBAL " in str(error):
             fail(f"{flag} {path} holds Python objects beyond plain data, which torch.load(weights_only=True) refuses: "
                  "not loaded; it is not a checkpoint main.py wrote")
         why = "not a PyTorch file" if "Weights only load failed" in str(error) else first_line(error)
@@ -163,30 +161,15 @@ def _unchanged(before, now):
     return before[:4] == now[:4] and (before[4] != now[4] or before[5] == now[5])
 
 
-def _pickle_is_whole(path):
-    """Whether a torch.save zip file's pickle (its data.pkl: verify() checked it against its CRC-32 where it has one)
-    reads to its end: then torch.load's refusal was of what it holds (an object, a call), not of damage. Judged by
-    the bytes, not by the words of torch's message, which change from release to release. Not a zip file: False."""
-    try:
-        with zipfile.ZipFile(path) as archive:
-            name = next(n for n in archive.namelist() if n.endswith("/data.pkl") or n == "data.pkl")
-            with archive.open(name) as record:
-                record._expected_crc = None  # a file saved without CRC-32s stores 0: zipfile would call it damaged
-                for _ in pickletools.genops(record.read()):
-                    pass
-        return True
-    except Exception:  # not a zip file, no pickle, or one cut short or garbled
-        return False
-
-
 def normalized(checkpoint, flag="--resume", path=""):
     """A checkpoint as main.py reads it: a dict with "model"; a bare state dict is {"model": it}, a DDP model's
     "module." keys lose the prefix. What holds no DeepLab weights is said in one line."""
     if isinstance(checkpoint, dict) and checkpoint and all(isinstance(v, torch.Tensor) for v in checkpoint.values()):
         checkpoint = {"model": checkpoint}
-    if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get("model"), dict) or not checkpoint["model"]:
-        fail(f"{flag} {path} holds no model weights (no 'model' state dict): it is not a checkpoint of main.py")
-    weights = checkpoint["model"]
+    weights = checkpoint.get("model") if isinstance(checkpoint, dict) else None
+    if not (isinstance(weights, dict) and weights and all(isinstance(v, torch.Tensor) for v in weights.values())):
+        fail(f"{flag} {path} holds no model weights (no 'model' state dict of tensors): it is not a checkpoint of "
+             "main.py")
     if all(key.startswith("module.") for key in weights):  # torch.save(ddp_model.state_dict())
         checkpoint = {**checkpoint, "model": {key[len("module."):]: value for key, value in weights.items()}}
         weights = checkpoint["model"]
@@ -247,50 +230,30 @@ def _writer(checkpoint):
 
 
 def _check_contents(checkpoint, flag, path):
-    """What every reader takes from a checkpoint (read() calls it): its format (a newer version's is refused, as what
-    it holds may mean something else), its weights all tensors, the model and output stride it names ones this
-    version builds, its classes a name (and a colour, which may be left out) for each class of its classifier.
-    Else one line naming each misfit and the version that wrote it."""
-    number = checkpoint.get("format")
-    if "format" in checkpoint and not _whole(number, 1):
-        fail(f"{flag} {path} holds the format number {number!r}, which no version of main.py writes: give a "
-             "checkpoint main.py wrote")
-    if "format" in checkpoint and number > FORMAT:
+    """What every reader takes from a checkpoint before it builds a model (read() calls it): its format (a newer
+    version's is refused, as what it holds may mean something else), its flags a dict, the model and output stride
+    they name ones this version builds, a name for each class. Else one line naming each misfit and the version
+    that wrote it. The weights and the training state are tried where they are loaded (check_fits, _check_restore,
+    load_for_inference)."""
+    number = checkpoint.get("format", FORMAT)
+    if _whole(number, FORMAT + 1):
         fail(f"{flag} {path} was written by a newer version of this program (checkpoint format {number}; this one "
              f"reads up to {FORMAT}): use that version, or update this one")
-    problems = []
-    odd = [key for key, value in checkpoint["model"].items() if not isinstance(value, torch.Tensor)]
-    if odd:
-        problems.append(f"{len(odd)} of its weights are no tensor ({odd[0]!r}, ...)")
-    saved = checkpoint.get("args")
-    if saved is not None and not isinstance(saved, dict):
-        problems.append(f"its args are a {type(saved).__name__}, not a dict of flags")
-    saved = saved if isinstance(saved, dict) else {}
-    if saved.get("model") is not None and saved["model"] not in MODEL_NAMES:
-        problems.append(f"its model is {saved['model']!r}, which this version does not build (it builds "
-                        f"{', '.join(MODEL_NAMES)})")
-    if saved.get("output_stride") not in (None, 8, 16):
-        problems.append(f"its output stride is {saved['output_stride']!r}, not 8 or 16")
-    if "classes" in checkpoint:
-        problems += _class_misfits(checkpoint["classes"], checkpoint["model"].get("classifier.weight"))
+    saved, classes = checkpoint.get("args", {}), checkpoint.get("classes", {"names": ["?"]})
+    flags = saved if isinstance(saved, dict) else {}
+    names = classes.get("names") if isinstance(classes, dict) else None
+    problems = [words for wrong, words in (
+        (not _whole(number, 1), f"its format number is {number!r}, which no version of main.py writes"),
+        (flags is not saved, f"its args are a {type(saved).__name__}, not a dict of flags"),
+        (flags.get("model") not in (None, *MODEL_NAMES), f"its model is {flags.get('model')!r}, which this version "
+                                                         f"does not build (it builds {', '.join(MODEL_NAMES)})"),
+        (flags.get("output_stride") not in (None, 8, 16), f"its output stride is {flags.get('output_stride')!r}, "
+                                                          "not 8 or 16"),
+        (not (isinstance(names, list) and names and all(isinstance(name, str) and name for name in names)),
+         "its classes are not {'names': [...], 'colors': [...]} with a name for each class")) if wrong]
     if problems:
         fail(f"{flag} {path} is not a checkpoint this version of main.py reads: {'; '.join(problems)} "
              f"({_writer(checkpoint)}): use the version that wrote it, or give another checkpoint")
-
-
-def _class_misfits(classes, classifier):
-    names = classes.get("names") if isinstance(classes, dict) else None
-    if not (isinstance(names, list) and names and all(isinstance(name, str) and name for name in names)):
-        return ["its classes are not {'names': [...], 'colors': [...]} with a name for each class"]
-    problems = []
-    if isinstance(classifier, torch.Tensor) and classifier.ndim and classifier.shape[0] != len(names):
-        problems.append(f"it names {len(names)} classes for a classifier of {classifier.shape[0]}")
-    colors = classes.get("colors")
-    if colors is not None and not (isinstance(colors, (list, tuple)) and len(colors) == len(names) and all(
-            isinstance(c, (list, tuple)) and len(c) == 3 and all(type(v) is int and 0 <= v <= 255 for v in c)
-            for c in colors)):
-        problems.append(f"its class colours are not one [r, g, b] of 0-255 for each of its {len(names)} classes")
-    return problems
 
 
 def _training_misfits(checkpoint):
@@ -336,7 +299,13 @@ def _check_restore(checkpoint, path, model_name, num_classes, output_stride):
             torch.amp.GradScaler("cpu").load_state_dict(checkpoint["scaler"])
     except Exception as error:  # whatever restore() would meet: this dry run touches no data and no device
         _refuse_training(checkpoint, path, [f"its optimizer or scaler does not load into main.py's SGD and "
-                                            f"GradScaler ({type(error).__name__}: {first_line(error)})"])
+                                            f"GradScaler ({_said(error)})"])
+
+
+def _said(error):
+    """torch's own error in one line, cut at 300 characters (load_state_dict's lists every key it missed)."""
+    words = f"{type(error).__name__}: {' '.join(str(error).split())}"
+    return words if len(words) <= 300 else words[:297] + "..."
 
 
 def _refuse_training(checkpoint, path, problems):
@@ -678,27 +647,24 @@ def _cannot_write(path, error):
 # --- predict.py -------------------------------------------------------------------------------------------------
 def load_for_inference(path):
     """predict.py's model: everything from the checkpoint at path (--resume), read and checked as every reader does.
-    The model's name and output stride from its args, the number of classes from the classifier, the classes'
-    names and colours from "classes" when it has them (else Cityscapes'). -> (model in eval mode, classes)."""
+    The model's name and output stride from its args; its classes' names and colours from "classes" when it has
+    them (else Cityscapes'). The weights loaded, and the colours made predict.py's palette, here: what does not fit
+    is torch's own error, said in one line before any image is read. -> (model in eval mode, classes)."""
     checkpoint = read("--resume", path)
     saved = saved_args(checkpoint)
     if saved.get("model") is None:
         fail(f"--resume {path} holds weights without the model's name (no args['model']): give a checkpoint "
              "main.py wrote (best.pth or checkpoint.pth)")
-    classifier = checkpoint["model"].get("classifier.weight")
-    if classifier is None:  # (a model this version does not build: read() said so)
-        fail(f"--resume {path} holds no classifier.weight, which every DeepLab of this project has: give a "
-             "checkpoint main.py wrote (best.pth or checkpoint.pth)")
-    num_classes = classifier.shape[0]
-    model = build_model(saved["model"], num_classes, saved.get("output_stride") or DEFAULT_OUTPUT_STRIDE)
+    classes = checkpoint.get("classes") or {"names": CLASS_NAMES}
+    classes = {"names": classes["names"], "colors": colors_of(classes)}
+    model = build_model(saved["model"], len(classes["names"]), saved.get("output_stride") or DEFAULT_OUTPUT_STRIDE)
     try:
         model.load_state_dict(checkpoint["model"])
-    except RuntimeError as error:
-        fail(f"--resume {path} does not fit {saved['model']} ({first_line(error)})")
-    classes = checkpoint.get("classes") or {"names": CLASS_NAMES, "colors": CLASS_COLORS}
-    if len(classes["names"]) != num_classes:  # (weights without classes, of another number than Cityscapes')
-        fail(f"--resume {path} has {num_classes} classes but names for {len(classes['names'])}")
-    return model.eval(), {"names": classes["names"], "colors": colors_of(classes)}
+        records.palette(classes["colors"])
+    except (RuntimeError, TypeError, ValueError) as error:
+        fail(f"--resume {path} does not fit {saved['model']} with its {len(classes['names'])} classes and their "
+             f"colours ({_said(error)})")
+    return model.eval(), classes
 
 
 # --- where the run's files begin -------------------------------------------------------------------------------
