@@ -245,10 +245,10 @@ def _check_contents(checkpoint, flag, path):
     problems = [words for wrong, words in (
         (not _whole(number, 1), f"its format number is {number!r}, which no version of main.py writes"),
         (flags is not saved, f"its args are a {type(saved).__name__}, not a dict of flags"),
-        (flags.get("model") not in (None, *MODEL_NAMES), f"its model is {flags.get('model')!r}, which this version "
-                                                         f"does not build (it builds {', '.join(MODEL_NAMES)})"),
-        (flags.get("output_stride") not in (None, 8, 16), f"its output stride is {flags.get('output_stride')!r}, "
-                                                          "not 8 or 16"),
+        (flags.get("model", DEFAULT_MODEL) not in MODEL_NAMES, f"its model is {flags.get('model')!r}, which this "
+                                                               f"version does not build (it builds {', '.join(MODEL_NAMES)})"),
+        (flags.get("output_stride", 16) not in (8, 16), f"its output stride is {flags.get('output_stride')!r}, not 8 "
+                                                        "or 16"),
         (not (isinstance(names, list) and names and all(isinstance(name, str) and name for name in names)),
          "its classes are not {'names': [...], 'colors': [...]} with a name for each class")) if wrong]
     if problems:
@@ -259,13 +259,10 @@ def _check_contents(checkpoint, flag, path):
 def _training_misfits(checkpoint):
     """What main.py's train() and _continued read of a checkpoint's position and global batch (TRAINING_STATE
     present), each of the type and range this version writes. -> [what does not fit]."""
-    saved = saved_args(checkpoint)
-    numbers = [("epoch", checkpoint["epoch"], 0), ("step", checkpoint["step"], 0)] + [
-        (f"{where}{key}", (saved if where else checkpoint).get(key, 1), 1) for where, key in (
-            ("", "world_size"), ("", "batch_size"), ("", "accum_steps"), ("args' ", "batch_size"),
-            ("args' ", "accum_steps"), ("args' ", "epochs"))]
-    problems = [f"its {key} is {value!r}, not a whole number of at least {low}" for key, value, low in numbers
-                if not _whole(value, low)]
+    names = ("epoch", "step", "world_size", "batch_size", "accum_steps", "epochs")
+    values = [checkpoint["epoch"], checkpoint["step"], *_layout(checkpoint), saved_args(checkpoint).get("epochs", 1)]
+    problems = [f"its {name} is {value!r}, not a whole number of at least {low}" for name, value, low in
+                zip(names, values, (0, 0, 1, 1, 1, 1)) if not _whole(value, low)]
     best, loss = checkpoint["best_miou"], checkpoint.get("epoch_loss_sum", 0.0)
     if not (_real(best) and (best == -math.inf or 0 <= best <= 1)):
         problems.append(f"its best_miou is {best!r}, neither an mIoU from 0 to 1 nor -inf (none yet)")
@@ -275,6 +272,13 @@ def _training_misfits(checkpoint):
         problems.append(f"it holds no epoch_loss_sum, the loss of the steps of its epoch done (step "
                         f"{checkpoint['step']!r})")
     return problems
+
+
+def _layout(checkpoint):
+    """The global batch a checkpoint was trained with: [processes, -b, --accum-steps], 1 where it does not say (the
+    layout before 2026-11-30 kept -b beside its args too)."""
+    saved = saved_args(checkpoint)
+    return [saved.get(key, checkpoint.get(key, 1)) for key in ("world_size", "batch_size", "accum_steps")]
 
 
 def _check_restore(checkpoint, path, model_name, num_classes, output_stride):
@@ -385,9 +389,8 @@ def decide_start(args):
         path, checkpoint = args.resume, read("--resume", args.resume)
     if checkpoint is not None and not args.evaluate:
         _check_it_can_resume(checkpoint, path, args, auto)
-    saved = saved_args(checkpoint)
     return Start(path or "", auto, model_given=args.model is not None,  # (before args are completed)
-                 saved=dict(saved) if isinstance(saved, dict) else {})
+                 saved=dict(saved_args(checkpoint)))
 
 
 def _check_it_can_resume(checkpoint, path, args, auto):
@@ -455,9 +458,6 @@ def checked(checkpoint, args, train_set, val_set):
     if checked_as is not None and (now is None or not _unchanged(checked_as, now)):
         fail(f"--resume {path} changed after this run checked it (replaced, or written to, as the run started): run "
              "again once nothing writes it")
-    if args.model not in MODEL_NAMES or args.output_stride not in (8, 16):  # its args hold None (read() refused others)
-        fail(f"--resume {path} names its model {args.model!r} at output stride {args.output_stride!r} in its args: "
-             f"give --model (one of {', '.join(MODEL_NAMES)}) and --output-stride (8 or 16)")
     checkpoint = normalized(checkpoint, "--resume", path)
     _check_model_name(checkpoint, "--resume", path, args.model)
     theirs = classes_of(checkpoint)
@@ -476,38 +476,33 @@ def checked(checkpoint, args, train_set, val_set):
 
 def _continued(checkpoint, args, images):
     """The position a checkpoint's run goes on from, said; in another global batch, the step rescaled. A position
-    past the end of its epoch (the epoch has fewer steps now: fewer training images, or a larger global batch) is
-    that epoch's end: its training is done, and main.py evaluates and saves it before the next. images: the
-    training set's."""
+    past the end of its epoch (the epoch has fewer steps now: fewer training images, or a larger global batch), or
+    part-way through an epoch of another training list (the rest of its shuffle would show some images twice and
+    others never), is that epoch's end: its training is done, and main.py evaluates and saves it before the next.
+    images: the training set's."""
     checkpoint.setdefault("epoch_loss_sum", 0.0)  # at an epoch's start (_training_misfits refused one part-way)
     path, epoch, step = args.resume, checkpoint["epoch"], checkpoint["step"]
     if epoch >= args.epochs:
         return checkpoint  # finished: main.py says there is nothing to train
     if args.start_epoch:  # --resume auto (run.sh, a restart): the checkpoint wins (decide_start refused a PATH's)
         log(f"note: --start-epoch {args.start_epoch} is ignored: {path} says where to continue")
-    saved = saved_args(checkpoint)
-    before = (checkpoint.get("world_size", 1), saved.get("batch_size", checkpoint.get("batch_size", 1)),
-              saved.get("accum_steps", checkpoint.get("accum_steps", 1)))  # its global batch, in its layout
-    now = (job.get_world_size(), args.batch_size, args.accum_steps)
-    if math.prod(before) != job.global_batch(args):
+    saved, before, batch = saved_args(checkpoint), _layout(checkpoint), job.global_batch(args)
+    if math.prod(before) != batch:
         # Another global batch: another number of optimizer steps an epoch. Finish the epoch from the same number
         # of images seen. (The same global batch in another layout, -b x processes x --accum-steps, sees the same
         # images up to here: its steps are the same; only how they are split differs.)
-        checkpoint["step"] = step = step * math.prod(before) // job.global_batch(args)
+        checkpoint["step"] = step = step * math.prod(before) // batch
         log(f"note: the checkpoint was trained with a global batch of {math.prod(before)} ({before[0]} process(es) "
-            f"x -b {before[1]} x --accum-steps {before[2]}); this run's is {job.global_batch(args)} ({now[0]} x "
-            f"{now[1]} x {now[2]}). It continues at the same epoch and learning-rate position, but not bitwise as an "
-            "uninterrupted run would")
-    steps_per_epoch = images // job.global_batch(args)
+            f"x -b {before[1]} x --accum-steps {before[2]}); this run's is {batch} ({job.get_world_size()} x "
+            f"{args.batch_size} x {args.accum_steps}). It continues at the same epoch and learning-rate position, "
+            "but not bitwise as an uninterrupted run would")
+    steps_per_epoch, then = images // batch, checkpoint.get("train_list")
     if 0 < steps_per_epoch <= step:  # (0: a global batch larger than the data, which the preflight says next)
         log(f"note: {path} is at step {step} of epoch {epoch}, and an epoch has {steps_per_epoch} steps now ("
-            f"{images} training images, a global batch of {job.global_batch(args)}): epoch {epoch}'s training is "
-            "done; it is evaluated and saved, and the run goes on with the next")
+            f"{images} training images, a global batch of {batch}): epoch {epoch}'s training is done; it is "
+            "evaluated and saved, and the run goes on with the next")
         checkpoint["step"] = step = steps_per_epoch
-    then = checkpoint.get("train_list")
-    if 0 < step < steps_per_epoch and isinstance(then, dict) and then != RUN.train_list:
-        # Part-way through an epoch, its shuffle's positions are those of the list it was saved on: on another list,
-        # the rest of that shuffle would show some images twice and others never.
+    elif 0 < step < steps_per_epoch and isinstance(then, dict) and then != RUN.train_list:
         other = (f"{then.get('images')} images then, {images} now" if then.get("images") != images else
                  f"{images} images then and now, not the same ones")
         log(f"note: {path} was saved part-way through epoch {epoch} on another training list ({other}): epoch "
@@ -518,12 +513,12 @@ def _continued(checkpoint, args, images):
     best = checkpoint["best_miou"]
     log(f"resuming from {path} at {where} (epochs counted from 0), best mIoU "
         + (f"{best:.4f}" if math.isfinite(best) else "none yet"))
-    then, now = _base_lr(saved, math.prod(before)), _base_lr(vars(args), job.global_batch(args))
+    then, now = _base_lr(saved, math.prod(before)), _base_lr(vars(args), batch)
     if isinstance(then, (int, float)) and not math.isclose(then, now):  # --lr, or --base-batch's scaling, changed
         log(f"note: the learning rate's base is {now:g} now, {then:g} before (--lr {args.lr:g}"
-            + (f" x {job.global_batch(args)}/{args.base_batch}" if args.base_batch else "") + "): the poly schedule "
-            "goes on from this one")
-    if saved.get("epochs") and saved["epochs"] != args.epochs:  # the schedule's length changes: its learning rate jumps
+            + (f" x {batch}/{args.base_batch}" if args.base_batch else "") + "): the poly schedule goes on from "
+            "this one")
+    if saved.get("epochs", args.epochs) != args.epochs:  # the schedule's length changes: its learning rate jumps
         log(f"note: the run was scheduled over --epochs {saved['epochs']}, this one over {args.epochs}: the poly "
             f"learning rate goes on at the same step of the {args.epochs}-epoch schedule, "
             f"{'higher' if args.epochs > saved['epochs'] else 'lower'} than where the run stopped")

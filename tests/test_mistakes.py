@@ -1323,7 +1323,7 @@ _NO_LOAD = "its optimizer or scaler does not load into main.py's SGD and GradSca
     (lambda s: s.update(epoch=-1), "its epoch is -1, not a whole number"),
     (lambda s: s.update(best_miou=None), "its best_miou is None, neither an mIoU from 0 to 1 nor -inf"),
     (lambda s: s.update(scaler={"scale": "big"}), f"{_NO_LOAD} (KeyError: 'growth_factor')"),
-    (lambda s: s["args"].update(batch_size=0), "its args' batch_size is 0, not a whole number of at least 1"),
+    (lambda s: s["args"].update(batch_size=0), "its batch_size is 0, not a whole number of at least 1"),
 ])
 def test_a_checkpoint_of_another_version_is_refused_in_one_line_before_training(change, expect, tiny_data, trained,
                                                                                tmp_path, capsys):
