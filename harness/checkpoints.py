@@ -12,9 +12,11 @@ said in one line instead of trusted, --weights, the checkpoint kept before the l
 A checkpoint is the dict main.py's checkpoint_state() makes (weights_only: data, not code). Every reader first
 checks the CRC-32 that torch.save writes for each record of its zip file and torch.load does not check (verify()):
 a checkpoint damaged in a bad copy is refused, not trained from (BENCHMARKS.md: what that costs). Then what it
-holds is checked as a whole, before any of it is used (what every reader takes, then what resuming takes): a
-checkpoint of another version is said in one line naming each misfit and the version, not met as a traceback. The
-harness's saves add this version's format number ("format", stamped()).
+holds is checked before any of it is used: its format number and the few plain fields a reader reads before it
+builds a model (read()); the weights against the model (check_fits); for training, its position, and its optimizer's
+and scaler's state loaded into SGD and a GradScaler over the model on the meta device (_check_restore), where torch's
+own error is said in one line with the file. The harness's saves add this version's format number ("format",
+stamped()).
 """
 import filecmp
 import functools
@@ -36,10 +38,10 @@ from .job import RUN, log, named
 from models import MODEL_NAMES, build_model
 
 TRAINING_STATE = ("optimizer", "scaler", "epoch", "step", "best_miou")  # what resuming training needs
-DEFAULT_MODEL, DEFAULT_OUTPUT_STRIDE = "deeplabv3plus_resnet101", 16  # main.py's, when no checkpoint says
+DEFAULT_MODEL = "deeplabv3plus_resnet101"  # main.py's, when no checkpoint says
 # The layout of what main.py's checkpoint_state() holds, written into every checkpoint as "format" (stamped()):
 # raised whenever that layout changes, so that a version reading a checkpoint of a newer one says so. A checkpoint
-# without it was written before checkpoints carried it (or by the lesson alone): read as format 1 when it is whole.
+# without it was written before checkpoints carried it (or by the lesson alone): read as format 1 when it fits.
 FORMAT = 1
 
 
@@ -65,11 +67,8 @@ def training_list(train_set, root):
     with a list of its images' paths (.images, as dataset.py's have) gets a fingerprint, any other its count alone.
     Paths below --data: the same data set mounted elsewhere (another node, a copy) is the same list."""
     names = getattr(train_set, "images", None)
-    fingerprint = None
-    if isinstance(names, (list, tuple)) and all(isinstance(name, str) for name in names):
-        listed = "\n".join(os.path.relpath(name, root) for name in names)
-        fingerprint = hashlib.sha1(listed.encode()).hexdigest()[:16]
-    return {"images": len(train_set), "fingerprint": fingerprint}
+    listed = "\n".join(os.path.relpath(name, root) for name in names) if isinstance(names, (list, tuple)) else None
+    return {"images": len(train_set), "fingerprint": listed and hashlib.sha1(listed.encode()).hexdigest()[:16]}
 
 
 # --- reading ------------------------------------------------------------------------------------------------------
@@ -77,34 +76,31 @@ def verify(flag, path):
     """The file at path is one a checkpoint can be read from, its bytes as torch.save wrote them: each record's
     CRC-32 (zipfile's testzip reads every record and compares). -> whether it was checked: a file written without
     them (torch's legacy format, or set_crc32_options(False)), or not a zip file at all, is left to torch.load."""
-    if os.path.isdir(path):
-        found = [name for name in ("best.pth", "checkpoint.pth") if os.path.isfile(os.path.join(path, name))]
-        fail(f"{flag} {path} is a folder, not a checkpoint: give a checkpoint file"
-             + (f", such as {os.path.join(path, found[0])}" if found else ""))
     if not os.path.isfile(path):
-        found = paths.kind(path)  # a named pipe, a socket, a device, a link to nothing: named as what it is
+        found = paths.kind(path)  # a folder, a named pipe, a socket, a device, a link to nothing: named as what it is
+        inside = [name for name in (f"{path}/best.pth", f"{path}/checkpoint.pth") if os.path.isfile(name)]
         fail(f"{flag} {path}: no such file" if found is None else
-             f"{flag} {path} is {found}, not a checkpoint: give a checkpoint file")
+             f"{flag} {path} is {found}, not a checkpoint: give a checkpoint file"
+             + (f", such as {inside[0]}" if inside else ""))
     paths.check_readable(flag, path)  # (zipfile.is_zipfile would take a file it may not open for no zip file)
     if not zipfile.is_zipfile(path):
-        checksums = False
-    else:
-        try:
-            with zipfile.ZipFile(path) as archive:
-                records = archive.infolist()
-                checksums = any(info.CRC for info in records)  # all 0: written without them
-                damaged = archive.testzip() if checksums else None
-        except Exception as error:  # zipfile's BadZipFile, an encrypted record's RuntimeError, a cut file's EOFError
-            fail(f"{flag} {path} cannot be read ({first_line(error)}): it is truncated or damaged; copy it again, or "
-                 "give another checkpoint")
-        # One bit the CRC-32s do not cover changes what torch reads: a record's "folder" attribute (torch.save writes
-        # none; torch's reader then takes the record for a folder and reads other bytes for its tensor).
-        folder = next((info.filename for info in records if info.external_attr & 0x10), None)
-        if damaged is not None or folder is not None:
-            why = (f"its record {damaged} differs from the CRC-32 torch.save wrote for it" if damaged else
-                   f"its record {folder} is marked as a folder, which torch.save never writes")
-            fail(f"{flag} {path} is damaged: {why} (a bad copy or download?); copy it again, or give another "
-                 "checkpoint")
+        return False
+    try:
+        with zipfile.ZipFile(path) as archive:
+            entries = archive.infolist()
+            checksums = any(info.CRC for info in entries)  # all 0: written without them
+            damaged = archive.testzip() if checksums else None
+    except Exception as error:  # zipfile's BadZipFile, an encrypted record's RuntimeError, a cut file's EOFError
+        fail(f"{flag} {path} cannot be read ({first_line(error)}): it is truncated or damaged; copy it again, or "
+             "give another checkpoint")
+    # One bit the CRC-32s do not cover changes what torch reads: a record's "folder" attribute (torch.save writes
+    # none; torch's reader then takes the record for a folder and reads other bytes for its tensor).
+    folder = next((info.filename for info in entries if info.external_attr & 0x10), None)
+    if damaged or folder:
+        why = ("differs from the CRC-32 torch.save wrote for it" if damaged else
+               "is marked as a folder, which torch.save never writes")
+        fail(f"{flag} {path} is damaged: its record {damaged or folder} {why} (a bad copy or download?); copy it "
+             "again, or give another checkpoint")
     return checksums
 
 
@@ -114,10 +110,7 @@ def read(flag, path):
     it}, and one saved from the DDP-wrapped model (every key "module.…") without that prefix. One without CRC-32s is
     read, and that is said once. A zip file's tensors are mapped, not read (mmap): what is checked of them is their
     shapes, and the bytes are read once, where they are used (main.py's own torch.load, a model's load_state_dict)."""
-    try:
-        seen = _identity(path)  # before any check: a file changed from here on is not the one checked (checked())
-    except OSError:
-        seen = None  # nothing there, or a folder that cannot be searched: verify() says which
+    seen = _identity(path)  # before any check: a file changed from here on is not the one checked (checked())
     checked = verify(flag, path)
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
@@ -144,10 +137,13 @@ def read(flag, path):
 def _identity(path):
     """What tells a file from any other, or from itself rewritten: its device, inode, size, last write, its count of
     names and last change (ctime, which no one can set back: a copy over it that keeps its size and times changes
-    it). Read from the file opened: the open makes a network filesystem check its attributes with the server
-    (NFS's close-to-open), where a stat of the name may answer from its cache. O_NONBLOCK: a named pipe would wait
-    for a writer."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    it); None where nothing opens. Read from the file opened: the open makes a network filesystem check its
+    attributes with the server (NFS's close-to-open), where a stat of the name may answer from its cache.
+    O_NONBLOCK: a named pipe would wait for a writer."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError:
+        return None
     try:
         info = os.fstat(fd)
     finally:
@@ -155,10 +151,12 @@ def _identity(path):
     return info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, info.st_nlink, info.st_ctime_ns
 
 
-def _unchanged(before, now):
-    """Whether two _identity()s are of one file, unchanged. A new name for it or one taken away (a rewind's second
-    name, made by rank 0 while another rank reads) changes its count of names and its ctime alone: unchanged."""
-    return before[:4] == now[:4] and (before[4] != now[4] or before[5] == now[5])
+def _changed_since_read(path):
+    """Whether the file read() checked at path is gone or changed since. A new name for it or one taken away (a
+    rewind's second name, made by rank 0 while another rank reads) changes its count of names and its ctime alone:
+    unchanged."""
+    before, now = RUN.verified.get(os.path.abspath(path)), _identity(path)
+    return before is not None and (now is None or before[:4] != now[:4] or now[4] == before[4] and now[5] != before[5])
 
 
 def normalized(checkpoint, flag="--resume", path=""):
@@ -171,13 +169,13 @@ def normalized(checkpoint, flag="--resume", path=""):
         fail(f"{flag} {path} holds no model weights (no 'model' state dict of tensors): it is not a checkpoint of "
              "main.py")
     if all(key.startswith("module.") for key in weights):  # torch.save(ddp_model.state_dict())
-        checkpoint = {**checkpoint, "model": {key[len("module."):]: value for key, value in weights.items()}}
-        weights = checkpoint["model"]
-    if any(key.startswith(("classifier.0.convs.", "aux_classifier.")) for key in weights):
+        weights = {key[len("module."):]: value for key, value in weights.items()}
+        checkpoint = {**checkpoint, "model": weights}
+    vision = [key for key in weights if key.startswith(("classifier.0.convs.", "aux_classifier."))]
+    if vision:
         fail(f"{flag} {path} holds torchvision's own DeepLab (torchvision.models.segmentation: keys such as "
-             f"{next(k for k in weights if k.startswith(('classifier.0', 'aux_classifier')))}), not this project's, "
-             "whose head is built and named otherwise: train this project's from an ImageNet backbone "
-             "(--pretrained-backbone) instead")
+             f"{vision[0]}), not this project's, whose head is built and named otherwise: train this project's from "
+             "an ImageNet backbone (--pretrained-backbone) instead")
     if not any(key.startswith("backbone.") for key in weights):  # every model of models.py has a backbone
         if any(key.startswith(("fc.", "features.", "conv1.")) for key in weights):  # torchvision's classifiers
             fail(f"{flag} {path} holds the weights of a classification network (keys such as {next(iter(weights))}), "
@@ -199,17 +197,9 @@ def saved_args(checkpoint):
     return (checkpoint or {}).get("args") or {}
 
 
-def colors_of(classes):
-    """The colours of a checkpoint's classes; one saved without them gets those a classes.json without "colors"
-    gets (Cityscapes' own for Cityscapes' names)."""
-    if classes.get("colors") is not None:
-        return classes["colors"]
-    return CLASS_COLORS if list(classes["names"]) == CLASS_NAMES else default_colors(len(classes["names"]))
-
-
 # --- what a checkpoint holds ------------------------------------------------------------------------------------
-# Checked as a whole when it is read, before any of it is used: a checkpoint of another version (or changed by
-# hand) that passes its CRC-32s would otherwise end in a traceback, some of them after training has begun.
+# Checked before any of it is used: a checkpoint of another version (or changed by hand) that passes its CRC-32s
+# would otherwise end in a traceback, some of them after training has begun.
 def _whole(value, low=0):
     """A whole number of at least low. (A bool is an int to Python, not to a checkpoint.)"""
     return type(value) is int and value >= low
@@ -239,16 +229,16 @@ def _check_contents(checkpoint, flag, path):
     if _whole(number, FORMAT + 1):
         fail(f"{flag} {path} was written by a newer version of this program (checkpoint format {number}; this one "
              f"reads up to {FORMAT}): use that version, or update this one")
-    saved, classes = checkpoint.get("args", {}), checkpoint.get("classes", {"names": ["?"]})
+    saved, names = checkpoint.get("args", {}), checkpoint.get("classes", {"names": ["?"]})
+    names = names.get("names") if isinstance(names, dict) else None
     flags = saved if isinstance(saved, dict) else {}
-    names = classes.get("names") if isinstance(classes, dict) else None
+    model, stride = flags.get("model", DEFAULT_MODEL), flags.get("output_stride", 16)
     problems = [words for wrong, words in (
         (not _whole(number, 1), f"its format number is {number!r}, which no version of main.py writes"),
         (flags is not saved, f"its args are a {type(saved).__name__}, not a dict of flags"),
-        (flags.get("model", DEFAULT_MODEL) not in MODEL_NAMES, f"its model is {flags.get('model')!r}, which this "
-                                                               f"version does not build (it builds {', '.join(MODEL_NAMES)})"),
-        (flags.get("output_stride", 16) not in (8, 16), f"its output stride is {flags.get('output_stride')!r}, not 8 "
-                                                        "or 16"),
+        (model not in MODEL_NAMES, f"its model is {model!r}, which this version does not build (it builds "
+                                   f"{', '.join(MODEL_NAMES)})"),
+        (stride not in (8, 16), f"its output stride is {stride!r}, not 8 or 16"),
         (not (isinstance(names, list) and names and all(isinstance(name, str) and name for name in names)),
          "its classes are not {'names': [...], 'colors': [...]} with a name for each class")) if wrong]
     if problems:
@@ -281,13 +271,17 @@ def _layout(checkpoint):
     return [saved.get(key, checkpoint.get(key, 1)) for key in ("world_size", "batch_size", "accum_steps")]
 
 
-def _check_restore(checkpoint, path, model_name, num_classes, output_stride):
-    """main.py's restore(), tried first where it costs nothing: the optimizer's state loaded into SGD's two groups
-    (make_optimizer's: the backbone's, then the rest) over the model built on the meta device, and one step taken
-    there (a momentum buffer of another shape fails it); the scaler's into a GradScaler. torch's own error, or
-    another optimizer's state left beside SGD's momentum, refuses the checkpoint in one line."""
+def _on_meta(model_name, num_classes, output_stride):
+    """The model built on the meta device: its parameters' shapes, no memory, no time."""
     with torch.device("meta"):
-        model = build_model(model_name, num_classes, output_stride)
+        return build_model(model_name, num_classes, output_stride)
+
+
+def _check_restore(checkpoint, path, model):
+    """main.py's restore(), tried first where it costs nothing: the optimizer's state loaded into SGD's two groups
+    (make_optimizer's: the backbone's, then the rest) over model (_on_meta's), and one step taken there (a momentum
+    buffer of another shape fails it); the scaler's into a GradScaler. torch's own error, or another optimizer's
+    state beside SGD's momentum, refuses the checkpoint in one line."""
     backbone = list(model.backbone.parameters())
     head = [p for p in model.parameters() if id(p) not in {id(q) for q in backbone}]
     optimizer = torch.optim.SGD([{"params": backbone}, {"params": head}])
@@ -338,11 +332,9 @@ def _check_model_name(checkpoint, flag, path, model_name):
              f"default) or pass --model {saved}")
 
 
-def _misfits(weights, model_name, num_classes, output_stride):
-    """How weights differ from the model's own, built on the meta device (no memory, no time): [wrong shapes],
-    missing keys, unexpected keys."""
-    with torch.device("meta"):
-        own = build_model(model_name, num_classes, output_stride).state_dict()
+def _misfits(weights, model):
+    """How weights differ from model's own (_on_meta's): [wrong shapes], missing keys, unexpected keys."""
+    own = model.state_dict()
     wrong = [f"{k} {tuple(v.shape)} vs {tuple(own[k].shape)}" for k, v in weights.items()
              if k in own and v.shape != own[k].shape]
     return wrong, own.keys() - weights.keys(), weights.keys() - own.keys()
@@ -353,19 +345,22 @@ def fitting_model(weights):
     classifier = weights.get("classifier.weight")
     if classifier is None:
         return None
-    return next((name for name in MODEL_NAMES if not any(_misfits(weights, name, classifier.shape[0], 16))), None)
+    return next((name for name in MODEL_NAMES if not any(_misfits(weights, _on_meta(name, len(classifier), 16)))),
+                None)
 
 
 def check_fits(weights, flag, path, model_name, num_classes, output_stride, checkpoint=None):
     """Weights that must fit the model exactly; else one line that says how they differ, where the model's name came
     from (checkpoint: the one that holds the weights), and which --model they fit when one does (weights alone do
-    not say)."""
-    wrong, missing, unexpected = _misfits(weights, model_name, num_classes, output_stride)
+    not say). -> the model, on the meta device."""
+    model = _on_meta(model_name, num_classes, output_stride)
+    wrong, missing, unexpected = _misfits(weights, model)
     if wrong or missing or unexpected:
         other = fitting_model(weights) if missing or unexpected else None
         fail(f"{flag} {path} does not fit {_chosen(model_name, checkpoint)}: {len(wrong)} tensors of another shape "
              f"(e.g. {wrong[:1]}), {len(missing)} missing, {len(unexpected)} unexpected"
              + (f"; it fits {other}: give --model {other}" if other and other != model_name else ""))
+    return model
 
 
 # --- the start ----------------------------------------------------------------------------------------------
@@ -441,36 +436,29 @@ def _find_in_run(output_dir, evaluate, say_none=True):
 
 def checked(checkpoint, args, train_set, val_set):
     """main.py's checkpoint (what its torch.load returned, or None) made what main.py reads, or one line that says
-    why it cannot be: normalized(); its model and classes this data's, its weights fitting, and for
-    training its optimizer fitting the model (decide_start checked the rest of what resuming reads). Trained with
-    another global batch, it continues at the step that has seen as many images. Says where the run goes on."""
+    why it cannot be: the file read() checked, normalized(); its model and classes this data's, its weights fitting,
+    and for training its optimizer and scaler loading (_check_restore; decide_start checked its position). Trained
+    with another global batch, it continues at the step that has seen as many images. Says where the run goes on."""
     if train_set is not None:  # (-e opens the val set alone)
         RUN.train_list = training_list(train_set, args.data)  # written into every checkpoint of this run (stamped)
     if checkpoint is None:
         return None
-    path, classes = args.resume, val_set.classes
-    # main.py read the file again after the preflight checked it (read()): the same file, unchanged since, or no more.
-    checked_as = RUN.verified.get(os.path.abspath(path))
-    try:
-        now = _identity(path)
-    except OSError:
-        now = None  # gone since
-    if checked_as is not None and (now is None or not _unchanged(checked_as, now)):
+    path, names = args.resume, list(val_set.classes["names"])
+    if _changed_since_read(path):  # main.py read it again after the preflight checked it (read())
         fail(f"--resume {path} changed after this run checked it (replaced, or written to, as the run started): run "
              "again once nothing writes it")
     checkpoint = normalized(checkpoint, "--resume", path)
     _check_model_name(checkpoint, "--resume", path, args.model)
     theirs = classes_of(checkpoint)
-    if theirs is not None and theirs != list(classes["names"]):
+    if theirs not in (None, names):
         fail(f"--resume {path} was trained for {len(theirs)} classes ({', '.join(theirs[:3])}, ...), but "
-             f"{named('--data')} has {len(classes['names'])} others ({', '.join(classes['names'][:3])}, ...): "
-             f"use the model on its own data, or fine-tune it on this data into a new output folder: --weights {path} "
+             f"{named('--data')} has {len(names)} others ({', '.join(names[:3])}, ...): use the model on its own "
+             f"data, or fine-tune it on this data into a new output folder: --weights {path} "
              f"{'with another OUTPUT_DIR' if named('--data') == 'DATA' else '--output-dir NEW'}")
-    check_fits(checkpoint["model"], "--resume", path, args.model, len(classes["names"]), args.output_stride,
-               checkpoint)
+    model = check_fits(checkpoint["model"], "--resume", path, args.model, len(names), args.output_stride, checkpoint)
     if args.evaluate:
         return checkpoint
-    _check_restore(checkpoint, path, args.model, len(classes["names"]), args.output_stride)
+    _check_restore(checkpoint, path, model)
     return _continued(dict(checkpoint), args, len(train_set))
 
 
@@ -534,17 +522,16 @@ def _base_lr(flags, global_batch):
 def ranks_compare_start(epoch, step):
     """A collective, on every rank. Every rank read its start itself: a stale copy on one node's view of a shared
     filesystem, or a fallback to the checkpoint before, would start the ranks at different steps, and their
-    collectives would never match (a hang). Two all_reduces compare them: any difference ends the run with one
-    line."""
+    collectives would never match (a hang). One all_reduce of the positions and their negatives (the highest and
+    the lowest) compares them: any difference ends the run with one line."""
     if dist.is_initialized():
         device = "cuda" if dist.get_backend() == "nccl" else "cpu"  # NCCL reduces GPU tensors only
-        here = torch.tensor([epoch, step], dtype=torch.float64, device=device)
-        low, high = here.clone(), here.clone()
-        dist.all_reduce(low, op=dist.ReduceOp.MIN)
-        dist.all_reduce(high, op=dist.ReduceOp.MAX)
-        if not torch.equal(low, high):
-            fail(f"the ranks read different checkpoints (epochs/steps from {low.int().tolist()} to "
-                 f"{high.int().tolist()}): is --output-dir on a filesystem every node sees alike? Then resume again")
+        seen = torch.tensor([epoch, step, -epoch, -step], dtype=torch.float64, device=device)
+        dist.all_reduce(seen, op=dist.ReduceOp.MAX)
+        high, low = seen[:2].int().tolist(), (-seen[2:]).int().tolist()
+        if high != low:
+            fail(f"the ranks read different checkpoints (epochs/steps from {low} to {high}): is --output-dir on a "
+                 "filesystem every node sees alike? Then resume again")
 
 
 # --- fine-tuning ------------------------------------------------------------------------------------------------
@@ -565,22 +552,21 @@ def load_weights(model, args, classes):
     if args.resume:  # a restart, a requeued job: the run's own checkpoint holds newer weights
         log(f"--weights {args.weights} not read: the run continues from its checkpoint {args.resume}")
         return
-    path = args.weights
+    path, names = args.weights, list(classes["names"])
     checkpoint = weights_of(args)
     RUN.weights.clear()  # (read once, used once: not kept for the whole run)
     _check_model_name(checkpoint, "--weights", path, args.model)
     weights, own = dict(checkpoint["model"]), model.state_dict()
     theirs = classes_of(checkpoint)
     head = [key for key in ("classifier.weight", "classifier.bias") if key in weights and key in own]
-    if any(weights[key].shape != own[key].shape for key in head) or theirs not in (None, list(classes["names"])):
+    if any(weights[key].shape != own[key].shape for key in head) or theirs not in (None, names):
         before = f"{len(theirs)} classes ({', '.join(theirs[:3])}, ...)" if theirs else "other classes"
-        for key in head:
-            weights[key] = own[key]
-        log(f"--weights {path}: its classifier, trained for {before}, does not fit the {len(classes['names'])} "
-            f"classes of {named('--data')} and starts afresh; every other layer starts from {path}")
+        weights.update({key: own[key] for key in head})
+        log(f"--weights {path}: its classifier, trained for {before}, does not fit the {len(names)} classes of "
+            f"{named('--data')} and starts afresh; every other layer starts from {path}")
     else:
         log(f"--weights {path}: every layer starts from it")
-    check_fits(weights, "--weights", path, args.model, len(classes["names"]), args.output_stride, checkpoint)
+    check_fits(weights, "--weights", path, args.model, len(names), args.output_stride, checkpoint)
     model.load_state_dict(weights)
 
 
@@ -627,15 +613,14 @@ def keeping_previous(save):
 def _cannot_write(path, error):
     """The line for a checkpoint that could not be written: what, why (the space left, for a full disk), and what
     to do, from the error's errno (paths.what_to_do)."""
-    kept = os.path.isfile(path)
     # Without a checkpoint, what the epoch wrote before it (its metrics line, best.pth) is a run of its own that the
     # same command would refuse to replace: --overwrite puts it aside.
     again = "./run.sh --overwrite" if named("--output-dir") == "OUTPUT_DIR" else "the same command with --overwrite"
     target = getattr(error, "filename2", None) or path  # the rename of the one before onto checkpoint.prev.pth, say
     advice = paths.what_to_do(error, path)
     advice = advice[:1].upper() + advice[1:]
-    then = (f"{path} is the last one written. {advice}; then, to resume, {job.resume_advice()}" if kept else
-            f"no checkpoint was kept. {advice}, then start again: {again} (what this epoch wrote is put aside)")
+    then = (f"{path} is the last one written. {advice}; then, to resume, {job.resume_advice()}" if os.path.isfile(path)
+            else f"no checkpoint was kept. {advice}, then start again: {again} (what this epoch wrote is put aside)")
     return f"cannot write {target} ({paths.why_not_written(error)}): {then}"
 
 
@@ -643,23 +628,25 @@ def _cannot_write(path, error):
 def load_for_inference(path):
     """predict.py's model: everything from the checkpoint at path (--resume), read and checked as every reader does.
     The model's name and output stride from its args; its classes' names and colours from "classes" when it has
-    them (else Cityscapes'). The weights loaded, and the colours made predict.py's palette, here: what does not fit
-    is torch's own error, said in one line before any image is read. -> (model in eval mode, classes)."""
+    them (else those of the classes: Cityscapes' own, or a classes.json's without colours). The weights loaded, and
+    the colours made predict.py's palette, here: what does not fit is torch's own error, said in one line before
+    any image is read. -> (model in eval mode, classes)."""
     checkpoint = read("--resume", path)
-    saved = saved_args(checkpoint)
+    saved, names = saved_args(checkpoint), classes_of(checkpoint)
     if saved.get("model") is None:
         fail(f"--resume {path} holds weights without the model's name (no args['model']): give a checkpoint "
              "main.py wrote (best.pth or checkpoint.pth)")
-    classes = checkpoint.get("classes") or {"names": CLASS_NAMES}
-    classes = {"names": classes["names"], "colors": colors_of(classes)}
-    model = build_model(saved["model"], len(classes["names"]), saved.get("output_stride") or DEFAULT_OUTPUT_STRIDE)
+    colors = checkpoint.get("classes", {}).get("colors")
+    if colors is None:
+        colors = CLASS_COLORS if names == CLASS_NAMES else default_colors(len(names))
+    model = build_model(saved["model"], len(names), saved.get("output_stride", 16))
     try:
         model.load_state_dict(checkpoint["model"])
-        records.palette(classes["colors"])
+        records.palette(colors)
     except (RuntimeError, TypeError, ValueError) as error:
-        fail(f"--resume {path} does not fit {saved['model']} with its {len(classes['names'])} classes and their "
-             f"colours ({_said(error)})")
-    return model.eval(), classes
+        fail(f"--resume {path} does not fit {saved['model']} with its {len(names)} classes and their colours "
+             f"({_said(error)})")
+    return model.eval(), {"names": names, "colors": colors}
 
 
 # --- where the run's files begin -------------------------------------------------------------------------------
@@ -679,15 +666,14 @@ def rewrite_run_files_at(args, start, epoch, step):
     rewind = (bool(start.path) and paths.names_in(start.path, out) and not paths.same_name(start.path, latest)
               and not (os.path.isfile(latest) and filecmp.cmp(start.path, latest, shallow=False)))
     saved = []
+    for path in (latest, previous_path(latest), os.path.join(out, "best.pth")) if rewind else ():
+        if os.path.isfile(path) and not paths.same_name(start.path, path):
+            copy = paths.beside(path, "rewound")
+            paths.second_name(path, copy)  # the run replaces the first name, this one stays
+            saved.append(os.path.basename(copy))
+            if path == previous_path(latest):
+                os.remove(path)  # later than the start, and kept above: no fallback to it
     if rewind:
-        for name in ("checkpoint.pth", "checkpoint.prev.pth", "best.pth"):
-            path = os.path.join(out, name)
-            if os.path.isfile(path) and not paths.same_name(start.path, path):
-                copy = paths.beside(path, "rewound")
-                paths.second_name(path, copy)  # the run replaces the first name, this one stays
-                saved.append(os.path.basename(copy))
-        if os.path.isfile(previous_path(latest)) and not paths.same_name(start.path, previous_path(latest)):
-            os.remove(previous_path(latest))  # later than the start, and kept above: no fallback to it
         # checkpoint.pth becomes a second name of the start (no copy), through a temporary name no leftover holds;
         # the next save gives it a file of its own (keeping_previous copes with the two names).
         temporary = paths.temporary_name(latest)
