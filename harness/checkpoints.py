@@ -522,16 +522,17 @@ def _base_lr(flags, global_batch):
 def ranks_compare_start(epoch, step):
     """A collective, on every rank. Every rank read its start itself: a stale copy on one node's view of a shared
     filesystem, or a fallback to the checkpoint before, would start the ranks at different steps, and their
-    collectives would never match (a hang). One all_reduce of the positions and their negatives (the highest and
-    the lowest) compares them: any difference ends the run with one line."""
+    collectives would never match (a hang). Two all_reduces compare them: any difference ends the run with one
+    line."""
     if dist.is_initialized():
         device = "cuda" if dist.get_backend() == "nccl" else "cpu"  # NCCL reduces GPU tensors only
-        seen = torch.tensor([epoch, step, -epoch, -step], dtype=torch.float64, device=device)
-        dist.all_reduce(seen, op=dist.ReduceOp.MAX)
-        high, low = seen[:2].int().tolist(), (-seen[2:]).int().tolist()
-        if high != low:
-            fail(f"the ranks read different checkpoints (epochs/steps from {low} to {high}): is --output-dir on a "
-                 "filesystem every node sees alike? Then resume again")
+        low = torch.tensor([epoch, step], dtype=torch.float64, device=device)
+        high = low.clone()
+        dist.all_reduce(low, op=dist.ReduceOp.MIN)
+        dist.all_reduce(high, op=dist.ReduceOp.MAX)
+        if not torch.equal(low, high):
+            fail(f"the ranks read different checkpoints (epochs/steps from {low.int().tolist()} to "
+                 f"{high.int().tolist()}): is --output-dir on a filesystem every node sees alike? Then resume again")
 
 
 # --- fine-tuning ------------------------------------------------------------------------------------------------
@@ -558,7 +559,7 @@ def load_weights(model, args, classes):
     _check_model_name(checkpoint, "--weights", path, args.model)
     weights, own = dict(checkpoint["model"]), model.state_dict()
     theirs = classes_of(checkpoint)
-    head = [key for key in ("classifier.weight", "classifier.bias") if key in weights and key in own]
+    head = [key for key in ("classifier.weight", "classifier.bias") if key in weights]  # (every model has both)
     if any(weights[key].shape != own[key].shape for key in head) or theirs not in (None, names):
         before = f"{len(theirs)} classes ({', '.join(theirs[:3])}, ...)" if theirs else "other classes"
         weights.update({key: own[key] for key in head})
@@ -679,10 +680,10 @@ def rewrite_run_files_at(args, start, epoch, step):
         temporary = paths.temporary_name(latest)
         paths.second_name(start.path, temporary)
         os.replace(temporary, latest)
-    if dropped and rewind:
-        copy = paths.beside(metrics, "rewound")
-        paths.write_atomically(copy, "".join(dropped).encode())
-        saved.append(f"{os.path.basename(copy)} ({len(dropped)} later epoch(s))")
+        if dropped:
+            copy = paths.beside(metrics, "rewound")
+            paths.write_atomically(copy, "".join(dropped).encode())
+            saved.append(f"{os.path.basename(copy)} ({len(dropped)} later epoch(s))")
     if len(kept) != total:
         paths.write_atomically(metrics, "".join(kept).encode())
     if saved:
@@ -695,24 +696,19 @@ def rewrite_run_files_at(args, start, epoch, step):
 def _split_metrics(path, epoch):
     """metrics.jsonl's lines -> (those kept: the records of the epochs before `epoch`, and every line that is not a
     record of this program, such as a note a user added, in its place; the records of the epochs after; how many
-    lines). A record cut short by a crash (the last line, unended) belonged to the epoch being redone: in neither."""
+    lines). A record is what records.write_epoch wrote: a JSON object with a whole number as its epoch. One cut
+    short by a crash (the last line, unended) belonged to the epoch being redone: in neither."""
     kept, dropped, total = [], [], 0
-    if os.path.isfile(path):
-        with open(path) as f:
-            for line in f:
-                total += 1
-                recorded = _epoch_of_record(line)
-                if recorded is None and not line.endswith("\n") and line.startswith('{"epoch": '):
-                    continue  # what records.write_epoch began: cut short
-                (kept if recorded is None or recorded < epoch else dropped).append(line)
+    if not os.path.isfile(path):
+        return kept, dropped, total
+    with open(path) as f:
+        for total, line in enumerate(f, 1):
+            try:
+                record = json.loads(line)
+            except ValueError:
+                record = None
+            recorded = record["epoch"] if isinstance(record, dict) and type(record.get("epoch")) is int else None
+            if recorded is None and not line.endswith("\n") and line.startswith('{"epoch": '):
+                continue  # what records.write_epoch began: cut short
+            (kept if recorded is None or recorded < epoch else dropped).append(line)
     return kept, dropped, total
-
-
-def _epoch_of_record(line):
-    """The epoch of a line records.write_epoch wrote (a JSON object with a whole number as its epoch), or None for any
-    other line."""
-    try:
-        record = json.loads(line)
-    except ValueError:
-        return None
-    return record["epoch"] if isinstance(record, dict) and type(record.get("epoch")) is int else None
