@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from . import job, paths, records, stops
+from . import job, paths, stops
 from dataset import CLASS_COLORS, CLASS_NAMES, default_colors
 from .errors import UserError, fail, first_line
 from .job import RUN, log, named
@@ -630,8 +630,8 @@ def load_for_inference(path):
     """predict.py's model: everything from the checkpoint at path (--resume), read and checked as every reader does.
     The model's name and output stride from its args; its classes' names and colours from "classes" when it has
     them (else those of the classes: Cityscapes' own, or a classes.json's without colours). The weights loaded, and
-    the colours made predict.py's palette, here: what does not fit is torch's own error, said in one line before
-    any image is read. -> (model in eval mode, classes)."""
+    the colours made uint8 [r, g, b] for each class as predict.py's palette takes them, here: what does not fit is
+    torch's own error, said in one line before any image is read. -> (model in eval mode, classes)."""
     checkpoint = read("--resume", path)
     saved, names = saved_args(checkpoint), classes_of(checkpoint)
     if saved.get("model") is None:
@@ -643,7 +643,7 @@ def load_for_inference(path):
     model = build_model(saved["model"], len(names), saved.get("output_stride", 16))
     try:
         model.load_state_dict(checkpoint["model"])
-        records.palette(colors)
+        torch.tensor(colors, dtype=torch.uint8).view(len(names), 3)  # what records.palette makes of them
     except (RuntimeError, TypeError, ValueError) as error:
         fail(f"--resume {path} does not fit {saved['model']} with its {len(names)} classes and their colours "
              f"({_said(error)})")
