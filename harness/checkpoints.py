@@ -162,7 +162,7 @@ def _changed_since_read(path):
 def normalized(checkpoint, flag="--resume", path=""):
     """A checkpoint as main.py reads it: a dict with "model"; a bare state dict is {"model": it}, a DDP model's
     "module." keys lose the prefix. What holds no DeepLab weights is said in one line."""
-    if isinstance(checkpoint, dict) and checkpoint and all(isinstance(v, torch.Tensor) for v in checkpoint.values()):
+    if isinstance(checkpoint, dict) and "model" not in checkpoint:  # torch.save(model.state_dict())
         checkpoint = {"model": checkpoint}
     weights = checkpoint.get("model") if isinstance(checkpoint, dict) else None
     if not (isinstance(weights, dict) and weights and all(isinstance(v, torch.Tensor) for v in weights.values())):
@@ -203,10 +203,6 @@ def saved_args(checkpoint):
 def _whole(value, low=0):
     """A whole number of at least low. (A bool is an int to Python, not to a checkpoint.)"""
     return type(value) is int and value >= low
-
-
-def _real(value):
-    return type(value) in (int, float)
 
 
 def _writer(checkpoint):
@@ -254,9 +250,9 @@ def _training_misfits(checkpoint):
     problems = [f"its {name} is {value!r}, not a whole number of at least {low}" for name, value, low in
                 zip(names, values, (0, 0, 1, 1, 1, 1)) if not _whole(value, low)]
     best, loss = checkpoint["best_miou"], checkpoint.get("epoch_loss_sum", 0.0)
-    if not (_real(best) and (best == -math.inf or 0 <= best <= 1)):
+    if not (type(best) in (int, float) and (best == -math.inf or 0 <= best <= 1)):
         problems.append(f"its best_miou is {best!r}, neither an mIoU from 0 to 1 nor -inf (none yet)")
-    if not (_real(loss) and 0 <= loss < math.inf):
+    if not (type(loss) in (int, float) and 0 <= loss < math.inf):
         problems.append(f"its epoch_loss_sum is {loss!r}, not a loss of at least 0")
     if "epoch_loss_sum" not in checkpoint and checkpoint["step"] != 0:  # at an epoch's start the sum is 0
         problems.append(f"it holds no epoch_loss_sum, the loss of the steps of its epoch done (step "
