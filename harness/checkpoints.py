@@ -12,9 +12,11 @@ said in one line instead of trusted, --weights, the checkpoint kept before the l
 A checkpoint is the dict main.py's checkpoint_state() makes (weights_only: data, not code). Every reader first
 checks the CRC-32 that torch.save writes for each record of its zip file and torch.load does not check (verify()):
 a checkpoint damaged in a bad copy is refused, not trained from (BENCHMARKS.md: what that costs). Then what it
-holds is checked as a whole, before any of it is used (what every reader takes, then what resuming takes): a
-checkpoint of another version is said in one line naming each misfit and the version, not met as a traceback. The
-harness's saves add this version's format number ("format", stamped()).
+holds is checked before any of it is used: its format number and the few plain fields a reader reads before it
+builds a model (read()); the weights against the model (check_fits); for training, its position, and its optimizer's
+and scaler's state loaded into SGD and a GradScaler over the model on the meta device (_check_restore), where torch's
+own error is said in one line with the file. The harness's saves add this version's format number ("format",
+stamped()).
 """
 import filecmp
 import functools
@@ -23,7 +25,6 @@ import json
 import math
 import os
 import pickle
-import pickletools
 import zipfile
 from dataclasses import dataclass, field
 
@@ -37,10 +38,10 @@ from .job import RUN, log, named
 from models import MODEL_NAMES, build_model
 
 TRAINING_STATE = ("optimizer", "scaler", "epoch", "step", "best_miou")  # what resuming training needs
-DEFAULT_MODEL, DEFAULT_OUTPUT_STRIDE = "deeplabv3plus_resnet101", 16  # main.py's, when no checkpoint says
+DEFAULT_MODEL = "deeplabv3plus_resnet101"  # main.py's, when no checkpoint says
 # The layout of what main.py's checkpoint_state() holds, written into every checkpoint as "format" (stamped()):
 # raised whenever that layout changes, so that a version reading a checkpoint of a newer one says so. A checkpoint
-# without it was written before checkpoints carried it (or by the lesson alone): read as format 1 when it is whole.
+# without it was written before checkpoints carried it (or by the lesson alone): read as format 1 when it fits.
 FORMAT = 1
 
 
@@ -66,11 +67,8 @@ def training_list(train_set, root):
     with a list of its images' paths (.images, as dataset.py's have) gets a fingerprint, any other its count alone.
     Paths below --data: the same data set mounted elsewhere (another node, a copy) is the same list."""
     names = getattr(train_set, "images", None)
-    fingerprint = None
-    if isinstance(names, (list, tuple)) and all(isinstance(name, str) for name in names):
-        listed = "\n".join(os.path.relpath(name, root) for name in names)
-        fingerprint = hashlib.sha1(listed.encode()).hexdigest()[:16]
-    return {"images": len(train_set), "fingerprint": fingerprint}
+    listed = "\n".join(os.path.relpath(name, root) for name in names) if isinstance(names, (list, tuple)) else None
+    return {"images": len(train_set), "fingerprint": listed and hashlib.sha1(listed.encode()).hexdigest()[:16]}
 
 
 # --- reading ------------------------------------------------------------------------------------------------------
@@ -78,34 +76,31 @@ def verify(flag, path):
     """The file at path is one a checkpoint can be read from, its bytes as torch.save wrote them: each record's
     CRC-32 (zipfile's testzip reads every record and compares). -> whether it was checked: a file written without
     them (torch's legacy format, or set_crc32_options(False)), or not a zip file at all, is left to torch.load."""
-    if os.path.isdir(path):
-        found = [name for name in ("best.pth", "checkpoint.pth") if os.path.isfile(os.path.join(path, name))]
-        fail(f"{flag} {path} is a folder, not a checkpoint: give a checkpoint file"
-             + (f", such as {os.path.join(path, found[0])}" if found else ""))
     if not os.path.isfile(path):
-        found = paths.kind(path)  # a named pipe, a socket, a device, a link to nothing: named as what it is
+        found = paths.kind(path)  # a folder, a named pipe, a socket, a device, a link to nothing: named as what it is
+        inside = [name for name in (f"{path}/best.pth", f"{path}/checkpoint.pth") if os.path.isfile(name)]
         fail(f"{flag} {path}: no such file" if found is None else
-             f"{flag} {path} is {found}, not a checkpoint: give a checkpoint file")
+             f"{flag} {path} is {found}, not a checkpoint: give a checkpoint file"
+             + (f", such as {inside[0]}" if inside else ""))
     paths.check_readable(flag, path)  # (zipfile.is_zipfile would take a file it may not open for no zip file)
     if not zipfile.is_zipfile(path):
-        checksums = False
-    else:
-        try:
-            with zipfile.ZipFile(path) as archive:
-                records = archive.infolist()
-                checksums = any(info.CRC for info in records)  # all 0: written without them
-                damaged = archive.testzip() if checksums else None
-        except Exception as error:  # zipfile's BadZipFile, an encrypted record's RuntimeError, a cut file's EOFError
-            fail(f"{flag} {path} cannot be read ({first_line(error)}): it is truncated or damaged; copy it again, or "
-                 "give another checkpoint")
-        # One bit the CRC-32s do not cover changes what torch reads: a record's "folder" attribute (torch.save writes
-        # none; torch's reader then takes the record for a folder and reads other bytes for its tensor).
-        folder = next((info.filename for info in records if info.external_attr & 0x10), None)
-        if damaged is not None or folder is not None:
-            why = (f"its record {damaged} differs from the CRC-32 torch.save wrote for it" if damaged else
-                   f"its record {folder} is marked as a folder, which torch.save never writes")
-            fail(f"{flag} {path} is damaged: {why} (a bad copy or download?); copy it again, or give another "
-                 "checkpoint")
+        return False
+    try:
+        with zipfile.ZipFile(path) as archive:
+            entries = archive.infolist()
+            checksums = any(info.CRC for info in entries)  # all 0: written without them
+            damaged = archive.testzip() if checksums else None
+    except Exception as error:  # zipfile's BadZipFile, an encrypted record's RuntimeError, a cut file's EOFError
+        fail(f"{flag} {path} cannot be read ({first_line(error)}): it is truncated or damaged; copy it again, or "
+             "give another checkpoint")
+    # One bit the CRC-32s do not cover changes what torch reads: a record's "folder" attribute (torch.save writes
+    # none; torch's reader then takes the record for a folder and reads other bytes for its tensor).
+    folder = next((info.filename for info in entries if info.external_attr & 0x10), None)
+    if damaged or folder:
+        why = ("differs from the CRC-32 torch.save wrote for it" if damaged else
+               "is marked as a folder, which torch.save never writes")
+        fail(f"{flag} {path} is damaged: its record {damaged or folder} {why} (a bad copy or download?); copy it "
+             "again, or give another checkpoint")
     return checksums
 
 
@@ -115,19 +110,15 @@ def read(flag, path):
     it}, and one saved from the DDP-wrapped model (every key "module.…") without that prefix. One without CRC-32s is
     read, and that is said once. A zip file's tensors are mapped, not read (mmap): what is checked of them is their
     shapes, and the bytes are read once, where they are used (main.py's own torch.load, a model's load_state_dict)."""
-    try:
-        seen = _identity(path)  # before any check: a file changed from here on is not the one checked (checked())
-    except OSError:
-        seen = None  # nothing there, or a folder that cannot be searched: verify() says which
+    seen = _identity(path)  # before any check: a file changed from here on is not the one checked (checked())
     checked = verify(flag, path)
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
     except Exception as error:
         # torch's own advice for what weights_only refuses (load it with weights_only=False) is not ours to give.
-        # Objects, code: refused, not damaged. Judged by the pickle's bytes (a zip file's); a legacy file, by torch's
-        # words for a refused global.
-        if isinstance(error, pickle.UnpicklingError) and (_pickle_is_whole(path) or "nsupported global" in str(error)
-                                                          or "unsupported GLOBAL" in str(error)):
+        # Objects, code: refused, not damaged (the pickle passed its CRC-32, where it has one): torch names the
+        # GLOBAL it refuses, a class or a function.
+        if isinstance(error, pickle.UnpicklingError) and "GLOBAL " in str(error):
             fail(f"{flag} {path} holds Python objects beyond plain data, which torch.load(weights_only=True) refuses: "
                  "not loaded; it is not a checkpoint main.py wrote")
         why = "not a PyTorch file" if "Weights only load failed" in str(error) else first_line(error)
@@ -146,10 +137,13 @@ def read(flag, path):
 def _identity(path):
     """What tells a file from any other, or from itself rewritten: its device, inode, size, last write, its count of
     names and last change (ctime, which no one can set back: a copy over it that keeps its size and times changes
-    it). Read from the file opened: the open makes a network filesystem check its attributes with the server
-    (NFS's close-to-open), where a stat of the name may answer from its cache. O_NONBLOCK: a named pipe would wait
-    for a writer."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    it); None where nothing opens. Read from the file opened: the open makes a network filesystem check its
+    attributes with the server (NFS's close-to-open), where a stat of the name may answer from its cache.
+    O_NONBLOCK: a named pipe would wait for a writer."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError:
+        return None
     try:
         info = os.fstat(fd)
     finally:
@@ -157,44 +151,31 @@ def _identity(path):
     return info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, info.st_nlink, info.st_ctime_ns
 
 
-def _unchanged(before, now):
-    """Whether two _identity()s are of one file, unchanged. A new name for it or one taken away (a rewind's second
-    name, made by rank 0 while another rank reads) changes its count of names and its ctime alone: unchanged."""
-    return before[:4] == now[:4] and (before[4] != now[4] or before[5] == now[5])
-
-
-def _pickle_is_whole(path):
-    """Whether a torch.save zip file's pickle (its data.pkl: verify() checked it against its CRC-32 where it has one)
-    reads to its end: then torch.load's refusal was of what it holds (an object, a call), not of damage. Judged by
-    the bytes, not by the words of torch's message, which change from release to release. Not a zip file: False."""
-    try:
-        with zipfile.ZipFile(path) as archive:
-            name = next(n for n in archive.namelist() if n.endswith("/data.pkl") or n == "data.pkl")
-            with archive.open(name) as record:
-                record._expected_crc = None  # a file saved without CRC-32s stores 0: zipfile would call it damaged
-                for _ in pickletools.genops(record.read()):
-                    pass
-        return True
-    except Exception:  # not a zip file, no pickle, or one cut short or garbled
-        return False
+def _changed_since_read(path):
+    """Whether the file read() checked at path is gone or changed since. A new name for it or one taken away (a
+    rewind's second name, made by rank 0 while another rank reads) changes its count of names and its ctime alone:
+    unchanged."""
+    before, now = RUN.verified.get(os.path.abspath(path)), _identity(path)
+    return before is not None and (now is None or before[:4] != now[:4] or now[4] == before[4] and now[5] != before[5])
 
 
 def normalized(checkpoint, flag="--resume", path=""):
     """A checkpoint as main.py reads it: a dict with "model"; a bare state dict is {"model": it}, a DDP model's
     "module." keys lose the prefix. What holds no DeepLab weights is said in one line."""
-    if isinstance(checkpoint, dict) and checkpoint and all(isinstance(v, torch.Tensor) for v in checkpoint.values()):
+    if isinstance(checkpoint, dict) and "model" not in checkpoint:  # torch.save(model.state_dict())
         checkpoint = {"model": checkpoint}
-    if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get("model"), dict) or not checkpoint["model"]:
-        fail(f"{flag} {path} holds no model weights (no 'model' state dict): it is not a checkpoint of main.py")
-    weights = checkpoint["model"]
+    weights = checkpoint.get("model") if isinstance(checkpoint, dict) else None
+    if not (isinstance(weights, dict) and weights and all(isinstance(v, torch.Tensor) for v in weights.values())):
+        fail(f"{flag} {path} holds no model weights (no 'model' state dict of tensors): it is not a checkpoint of "
+             "main.py")
     if all(key.startswith("module.") for key in weights):  # torch.save(ddp_model.state_dict())
-        checkpoint = {**checkpoint, "model": {key[len("module."):]: value for key, value in weights.items()}}
-        weights = checkpoint["model"]
-    if any(key.startswith(("classifier.0.convs.", "aux_classifier.")) for key in weights):
+        weights = {key[len("module."):]: value for key, value in weights.items()}
+        checkpoint = {**checkpoint, "model": weights}
+    vision = [key for key in weights if key.startswith(("classifier.0.convs.", "aux_classifier."))]
+    if vision:
         fail(f"{flag} {path} holds torchvision's own DeepLab (torchvision.models.segmentation: keys such as "
-             f"{next(k for k in weights if k.startswith(('classifier.0', 'aux_classifier')))}), not this project's, "
-             "whose head is built and named otherwise: train this project's from an ImageNet backbone "
-             "(--pretrained-backbone) instead")
+             f"{vision[0]}), not this project's, whose head is built and named otherwise: train this project's from "
+             "an ImageNet backbone (--pretrained-backbone) instead")
     if not any(key.startswith("backbone.") for key in weights):  # every model of models.py has a backbone
         if any(key.startswith(("fc.", "features.", "conv1.")) for key in weights):  # torchvision's classifiers
             fail(f"{flag} {path} holds the weights of a classification network (keys such as {next(iter(weights))}), "
@@ -216,24 +197,12 @@ def saved_args(checkpoint):
     return (checkpoint or {}).get("args") or {}
 
 
-def colors_of(classes):
-    """The colours of a checkpoint's classes; one saved without them gets those a classes.json without "colors"
-    gets (Cityscapes' own for Cityscapes' names)."""
-    if classes.get("colors") is not None:
-        return classes["colors"]
-    return CLASS_COLORS if list(classes["names"]) == CLASS_NAMES else default_colors(len(classes["names"]))
-
-
 # --- what a checkpoint holds ------------------------------------------------------------------------------------
-# Checked as a whole when it is read, before any of it is used: a checkpoint of another version (or changed by
-# hand) that passes its CRC-32s would otherwise end in a traceback, some of them after training has begun.
+# Checked before any of it is used: a checkpoint of another version (or changed by hand) that passes its CRC-32s
+# would otherwise end in a traceback, some of them after training has begun.
 def _whole(value, low=0):
     """A whole number of at least low. (A bool is an int to Python, not to a checkpoint.)"""
     return type(value) is int and value >= low
-
-
-def _real(value):
-    return type(value) in (int, float)
 
 
 def _writer(checkpoint):
@@ -247,119 +216,90 @@ def _writer(checkpoint):
 
 
 def _check_contents(checkpoint, flag, path):
-    """What every reader takes from a checkpoint (read() calls it): its format (a newer version's is refused, as what
-    it holds may mean something else), its weights all tensors, the model and output stride it names ones this
-    version builds, its classes a name (and a colour, which may be left out) for each class of its classifier.
-    Else one line naming each misfit and the version that wrote it."""
-    number = checkpoint.get("format")
-    if "format" in checkpoint and not _whole(number, 1):
-        fail(f"{flag} {path} holds the format number {number!r}, which no version of main.py writes: give a "
-             "checkpoint main.py wrote")
-    if "format" in checkpoint and number > FORMAT:
+    """What every reader takes from a checkpoint before it builds a model (read() calls it): its format (a newer
+    version's is refused, as what it holds may mean something else), its flags a dict, the model and output stride
+    they name ones this version builds, a name for each class. Else one line naming each misfit and the version
+    that wrote it. The weights and the training state are tried where they are loaded (check_fits, _check_restore,
+    load_for_inference)."""
+    number = checkpoint.get("format", FORMAT)
+    if _whole(number, FORMAT + 1):
         fail(f"{flag} {path} was written by a newer version of this program (checkpoint format {number}; this one "
              f"reads up to {FORMAT}): use that version, or update this one")
-    problems = []
-    odd = [key for key, value in checkpoint["model"].items() if not isinstance(value, torch.Tensor)]
-    if odd:
-        problems.append(f"{len(odd)} of its weights are no tensor ({odd[0]!r}, ...)")
-    saved = checkpoint.get("args")
-    if saved is not None and not isinstance(saved, dict):
-        problems.append(f"its args are a {type(saved).__name__}, not a dict of flags")
-    saved = saved if isinstance(saved, dict) else {}
-    if saved.get("model") is not None and saved["model"] not in MODEL_NAMES:
-        problems.append(f"its model is {saved['model']!r}, which this version does not build (it builds "
-                        f"{', '.join(MODEL_NAMES)})")
-    if saved.get("output_stride") not in (None, 8, 16):
-        problems.append(f"its output stride is {saved['output_stride']!r}, not 8 or 16")
-    if "classes" in checkpoint:
-        problems += _class_misfits(checkpoint["classes"], checkpoint["model"].get("classifier.weight"))
+    saved, names = checkpoint.get("args", {}), checkpoint.get("classes", {"names": ["?"]})
+    names = names.get("names") if isinstance(names, dict) else None
+    flags = saved if isinstance(saved, dict) else {}
+    model, stride = flags.get("model", DEFAULT_MODEL), flags.get("output_stride", 16)
+    problems = [words for wrong, words in (
+        (not _whole(number, 1), f"its format number is {number!r}, which no version of main.py writes"),
+        (flags is not saved, f"its args are a {type(saved).__name__}, not a dict of flags"),
+        (model not in MODEL_NAMES, f"its model is {model!r}, which this version does not build (it builds "
+                                   f"{', '.join(MODEL_NAMES)})"),
+        (stride not in (8, 16), f"its output stride is {stride!r}, not 8 or 16"),
+        (not (isinstance(names, list) and names and all(isinstance(name, str) and name for name in names)),
+         "its classes are not {'names': [...], 'colors': [...]} with a name for each class")) if wrong]
     if problems:
         fail(f"{flag} {path} is not a checkpoint this version of main.py reads: {'; '.join(problems)} "
              f"({_writer(checkpoint)}): use the version that wrote it, or give another checkpoint")
 
 
-def _class_misfits(classes, classifier):
-    names = classes.get("names") if isinstance(classes, dict) else None
-    if not (isinstance(names, list) and names and all(isinstance(name, str) and name for name in names)):
-        return ["its classes are not {'names': [...], 'colors': [...]} with a name for each class"]
-    problems = []
-    if isinstance(classifier, torch.Tensor) and classifier.ndim and classifier.shape[0] != len(names):
-        problems.append(f"it names {len(names)} classes for a classifier of {classifier.shape[0]}")
-    colors = classes.get("colors")
-    if colors is not None and not (isinstance(colors, (list, tuple)) and len(colors) == len(names) and all(
-            isinstance(c, (list, tuple)) and len(c) == 3 and all(type(v) is int and 0 <= v <= 255 for v in c)
-            for c in colors)):
-        problems.append(f"its class colours are not one [r, g, b] of 0-255 for each of its {len(names)} classes")
-    return problems
-
-
 def _training_misfits(checkpoint):
-    """What main.py's train() reads to go on from a checkpoint (TRAINING_STATE, present), and what _continued reads
-    of its global batch, each of the type and range this version writes. -> [what does not fit]."""
-    problems = []
-    for key in ("epoch", "step"):
-        if not _whole(checkpoint[key]):
-            problems.append(f"its {key} is {checkpoint[key]!r}, not a whole number of at least 0")
-    best = checkpoint["best_miou"]
-    if not (_real(best) and (best == -math.inf or 0 <= best <= 1)):
+    """What main.py's train() and _continued read of a checkpoint's position and global batch (TRAINING_STATE
+    present), each of the type and range this version writes. -> [what does not fit]."""
+    names = ("epoch", "step", "world_size", "batch_size", "accum_steps", "epochs")
+    values = [checkpoint["epoch"], checkpoint["step"], *_layout(checkpoint), saved_args(checkpoint).get("epochs", 1)]
+    problems = [f"its {name} is {value!r}, not a whole number of at least {low}" for name, value, low in
+                zip(names, values, (0, 0, 1, 1, 1, 1)) if not _whole(value, low)]
+    best, loss = checkpoint["best_miou"], checkpoint.get("epoch_loss_sum", 0.0)
+    if not (type(best) in (int, float) and (best == -math.inf or 0 <= best <= 1)):
         problems.append(f"its best_miou is {best!r}, neither an mIoU from 0 to 1 nor -inf (none yet)")
-    if "epoch_loss_sum" in checkpoint:
-        loss = checkpoint["epoch_loss_sum"]
-        if not (_real(loss) and 0 <= loss < math.inf):
-            problems.append(f"its epoch_loss_sum is {loss!r}, not a loss of at least 0")
-    elif checkpoint["step"] != 0:  # at an epoch's start the sum is 0, and _continued says so
+    if not (type(loss) in (int, float) and 0 <= loss < math.inf):
+        problems.append(f"its epoch_loss_sum is {loss!r}, not a loss of at least 0")
+    if "epoch_loss_sum" not in checkpoint and checkpoint["step"] != 0:  # at an epoch's start the sum is 0
         problems.append(f"it holds no epoch_loss_sum, the loss of the steps of its epoch done (step "
                         f"{checkpoint['step']!r})")
-    scaler = checkpoint["scaler"]
-    keys = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")  # GradScaler's
-    if not isinstance(scaler, dict) or (scaler and not all(_real(scaler.get(key)) for key in keys)):
-        problems.append("its scaler is not a GradScaler's state (empty without --amp fp16)")
-    problems += _optimizer_misfits(checkpoint["optimizer"])
-    saved = saved_args(checkpoint)
-    for where, key in (("", "world_size"), ("", "batch_size"), ("", "accum_steps"), ("args' ", "batch_size"),
-                       ("args' ", "accum_steps"), ("args' ", "epochs")):
-        value = (saved if where else checkpoint).get(key)
-        if value is not None and not _whole(value, 1):
-            problems.append(f"its {where}{key} is {value!r}, not a whole number of at least 1")
     return problems
 
 
-def _optimizer_misfits(optimizer):
-    """main.py's make_optimizer's state: SGD, two parameter groups (the backbone's, the head's)."""
-    if not (isinstance(optimizer, dict) and isinstance(optimizer.get("state"), dict)
-            and isinstance(optimizer.get("param_groups"), list) and all(
-                isinstance(group, dict) and isinstance(group.get("params"), list)
-                for group in optimizer["param_groups"])):
-        return ["its optimizer is not an optimizer's state dict"]
-    groups = optimizer["param_groups"]
-    if len(groups) != 2:
-        return [f"its optimizer has {len(groups)} parameter group(s), not 2 (the backbone's and the head's)"]
-    hyper = ("lr", "momentum", "dampening", "weight_decay")  # what SGD's step reads that it sets no default for
-    kinds = {key for entry in optimizer["state"].values() for key in (entry if isinstance(entry, dict) else ["?"])}
-    if any(not _real(group.get(key)) for group in groups for key in hyper) or kinds - {"momentum_buffer"}:
-        held = sorted(kinds - {"momentum_buffer"}) or sorted(set(groups[0]) - {"params"})
-        return [f"its optimizer is not SGD's (it holds {', '.join(held)})"]
-    return []
+def _layout(checkpoint):
+    """The global batch a checkpoint was trained with: [processes, -b, --accum-steps], 1 where it does not say (the
+    layout before 2026-11-30 kept -b beside its args too)."""
+    saved = saved_args(checkpoint)
+    return [saved.get(key, checkpoint.get(key, 1)) for key in ("world_size", "batch_size", "accum_steps")]
 
 
-def _optimizer_fits(checkpoint, model_name, num_classes, output_stride):
-    """The optimizer's groups and momentum buffers against the model's parameters, in make_optimizer's order (the
-    backbone's, then the rest), built on the meta device. -> [what does not fit]."""
+def _on_meta(model_name, num_classes, output_stride):
+    """The model built on the meta device: its parameters' shapes, no memory, no time."""
     with torch.device("meta"):
-        model = build_model(model_name, num_classes, output_stride)
+        return build_model(model_name, num_classes, output_stride)
+
+
+def _check_restore(checkpoint, path, model):
+    """main.py's restore(), tried first where it costs nothing: the optimizer's state loaded into SGD's two groups
+    (make_optimizer's: the backbone's, then the rest) over model (_on_meta's), and one step taken there (a momentum
+    buffer of another shape fails it); the scaler's into a GradScaler. torch's own error, or another optimizer's
+    state beside SGD's momentum, refuses the checkpoint in one line."""
     backbone = list(model.backbone.parameters())
     head = [p for p in model.parameters() if id(p) not in {id(q) for q in backbone}]
-    groups, state = checkpoint["optimizer"]["param_groups"], checkpoint["optimizer"]["state"]
-    counts = [len(group["params"]) for group in groups]
-    if counts != [len(backbone), len(head)]:
-        return [f"its optimizer's groups hold {counts[0]} and {counts[1]} tensors, but {model_name}'s backbone "
-                f"and head have {len(backbone)} and {len(head)}"]
-    shapes = dict(zip(groups[0]["params"] + groups[1]["params"], [p.shape for p in backbone + head]))
-    wrong = [key for key, entry in state.items() if key not in shapes or (
-        isinstance(entry.get("momentum_buffer"), torch.Tensor) and entry["momentum_buffer"].shape != shapes[key])]
-    if wrong:
-        return [f"{len(wrong)} of its optimizer's momentum buffers fit no parameter of {model_name}"]
-    return []
+    optimizer = torch.optim.SGD([{"params": backbone}, {"params": head}])
+    try:
+        optimizer.load_state_dict(checkpoint["optimizer"])
+        for parameter in model.parameters():
+            parameter.grad = torch.zeros_like(parameter)
+        optimizer.step()
+        other = {key for state in optimizer.state.values() for key in state} - {"momentum_buffer"}
+        if other:
+            raise ValueError(f"another optimizer's state: it holds {', '.join(sorted(other))}")
+        if checkpoint["scaler"]:  # empty when saved without --amp fp16, and not loaded (restore())
+            torch.amp.GradScaler("cpu").load_state_dict(checkpoint["scaler"])
+    except Exception as error:  # whatever restore() would meet: this dry run touches no data and no device
+        _refuse_training(checkpoint, path, [f"its optimizer or scaler does not load into main.py's SGD and "
+                                            f"GradScaler ({_said(error)})"])
+
+
+def _said(error):
+    """torch's own error in one line, cut at 300 characters (load_state_dict's lists every key it missed)."""
+    words = f"{type(error).__name__}: {' '.join(str(error).split())}"
+    return words if len(words) <= 300 else words[:297] + "..."
 
 
 def _refuse_training(checkpoint, path, problems):
@@ -388,11 +328,9 @@ def _check_model_name(checkpoint, flag, path, model_name):
              f"default) or pass --model {saved}")
 
 
-def _misfits(weights, model_name, num_classes, output_stride):
-    """How weights differ from the model's own, built on the meta device (no memory, no time): [wrong shapes],
-    missing keys, unexpected keys."""
-    with torch.device("meta"):
-        own = build_model(model_name, num_classes, output_stride).state_dict()
+def _misfits(weights, model):
+    """How weights differ from model's own (_on_meta's): [wrong shapes], missing keys, unexpected keys."""
+    own = model.state_dict()
     wrong = [f"{k} {tuple(v.shape)} vs {tuple(own[k].shape)}" for k, v in weights.items()
              if k in own and v.shape != own[k].shape]
     return wrong, own.keys() - weights.keys(), weights.keys() - own.keys()
@@ -403,19 +341,22 @@ def fitting_model(weights):
     classifier = weights.get("classifier.weight")
     if classifier is None:
         return None
-    return next((name for name in MODEL_NAMES if not any(_misfits(weights, name, classifier.shape[0], 16))), None)
+    return next((name for name in MODEL_NAMES if not any(_misfits(weights, _on_meta(name, len(classifier), 16)))),
+                None)
 
 
 def check_fits(weights, flag, path, model_name, num_classes, output_stride, checkpoint=None):
     """Weights that must fit the model exactly; else one line that says how they differ, where the model's name came
     from (checkpoint: the one that holds the weights), and which --model they fit when one does (weights alone do
-    not say)."""
-    wrong, missing, unexpected = _misfits(weights, model_name, num_classes, output_stride)
+    not say). -> the model, on the meta device."""
+    model = _on_meta(model_name, num_classes, output_stride)
+    wrong, missing, unexpected = _misfits(weights, model)
     if wrong or missing or unexpected:
         other = fitting_model(weights) if missing or unexpected else None
         fail(f"{flag} {path} does not fit {_chosen(model_name, checkpoint)}: {len(wrong)} tensors of another shape "
              f"(e.g. {wrong[:1]}), {len(missing)} missing, {len(unexpected)} unexpected"
              + (f"; it fits {other}: give --model {other}" if other and other != model_name else ""))
+    return model
 
 
 # --- the start ----------------------------------------------------------------------------------------------
@@ -439,9 +380,8 @@ def decide_start(args):
         path, checkpoint = args.resume, read("--resume", args.resume)
     if checkpoint is not None and not args.evaluate:
         _check_it_can_resume(checkpoint, path, args, auto)
-    saved = saved_args(checkpoint)
     return Start(path or "", auto, model_given=args.model is not None,  # (before args are completed)
-                 saved=dict(saved) if isinstance(saved, dict) else {})
+                 saved=dict(saved_args(checkpoint)))
 
 
 def _check_it_can_resume(checkpoint, path, args, auto):
@@ -492,78 +432,61 @@ def _find_in_run(output_dir, evaluate, say_none=True):
 
 def checked(checkpoint, args, train_set, val_set):
     """main.py's checkpoint (what its torch.load returned, or None) made what main.py reads, or one line that says
-    why it cannot be: normalized(); its model and classes this data's, its weights fitting, and for
-    training its optimizer fitting the model (decide_start checked the rest of what resuming reads). Trained with
-    another global batch, it continues at the step that has seen as many images. Says where the run goes on."""
+    why it cannot be: the file read() checked, normalized(); its model and classes this data's, its weights fitting,
+    and for training its optimizer and scaler loading (_check_restore; decide_start checked its position). Trained
+    with another global batch, it continues at the step that has seen as many images. Says where the run goes on."""
     if train_set is not None:  # (-e opens the val set alone)
         RUN.train_list = training_list(train_set, args.data)  # written into every checkpoint of this run (stamped)
     if checkpoint is None:
         return None
-    path, classes = args.resume, val_set.classes
-    # main.py read the file again after the preflight checked it (read()): the same file, unchanged since, or no more.
-    checked_as = RUN.verified.get(os.path.abspath(path))
-    try:
-        now = _identity(path)
-    except OSError:
-        now = None  # gone since
-    if checked_as is not None and (now is None or not _unchanged(checked_as, now)):
+    path, names = args.resume, list(val_set.classes["names"])
+    if _changed_since_read(path):  # main.py read it again after the preflight checked it (read())
         fail(f"--resume {path} changed after this run checked it (replaced, or written to, as the run started): run "
              "again once nothing writes it")
-    if args.model not in MODEL_NAMES or args.output_stride not in (8, 16):  # its args hold None (read() refused others)
-        fail(f"--resume {path} names its model {args.model!r} at output stride {args.output_stride!r} in its args: "
-             f"give --model (one of {', '.join(MODEL_NAMES)}) and --output-stride (8 or 16)")
     checkpoint = normalized(checkpoint, "--resume", path)
     _check_model_name(checkpoint, "--resume", path, args.model)
     theirs = classes_of(checkpoint)
-    if theirs is not None and theirs != list(classes["names"]):
+    if theirs not in (None, names):
         fail(f"--resume {path} was trained for {len(theirs)} classes ({', '.join(theirs[:3])}, ...), but "
-             f"{named('--data')} has {len(classes['names'])} others ({', '.join(classes['names'][:3])}, ...): "
-             f"use the model on its own data, or fine-tune it on this data into a new output folder: --weights {path} "
+             f"{named('--data')} has {len(names)} others ({', '.join(names[:3])}, ...): use the model on its own "
+             f"data, or fine-tune it on this data into a new output folder: --weights {path} "
              f"{'with another OUTPUT_DIR' if named('--data') == 'DATA' else '--output-dir NEW'}")
-    check_fits(checkpoint["model"], "--resume", path, args.model, len(classes["names"]), args.output_stride,
-               checkpoint)
+    model = check_fits(checkpoint["model"], "--resume", path, args.model, len(names), args.output_stride, checkpoint)
     if args.evaluate:
         return checkpoint
-    problems = _optimizer_fits(checkpoint, args.model, len(classes["names"]), args.output_stride)
-    if problems:
-        _refuse_training(checkpoint, path, problems)
+    _check_restore(checkpoint, path, model)
     return _continued(dict(checkpoint), args, len(train_set))
 
 
 def _continued(checkpoint, args, images):
     """The position a checkpoint's run goes on from, said; in another global batch, the step rescaled. A position
-    past the end of its epoch (the epoch has fewer steps now: fewer training images, or a larger global batch) is
-    that epoch's end: its training is done, and main.py evaluates and saves it before the next. images: the
-    training set's."""
+    past the end of its epoch (the epoch has fewer steps now: fewer training images, or a larger global batch), or
+    part-way through an epoch of another training list (the rest of its shuffle would show some images twice and
+    others never), is that epoch's end: its training is done, and main.py evaluates and saves it before the next.
+    images: the training set's."""
     checkpoint.setdefault("epoch_loss_sum", 0.0)  # at an epoch's start (_training_misfits refused one part-way)
     path, epoch, step = args.resume, checkpoint["epoch"], checkpoint["step"]
     if epoch >= args.epochs:
         return checkpoint  # finished: main.py says there is nothing to train
     if args.start_epoch:  # --resume auto (run.sh, a restart): the checkpoint wins (decide_start refused a PATH's)
         log(f"note: --start-epoch {args.start_epoch} is ignored: {path} says where to continue")
-    saved = saved_args(checkpoint)
-    before = (checkpoint.get("world_size", 1), saved.get("batch_size", checkpoint.get("batch_size", 1)),
-              saved.get("accum_steps", checkpoint.get("accum_steps", 1)))  # its global batch, in its layout
-    now = (job.get_world_size(), args.batch_size, args.accum_steps)
-    if math.prod(before) != job.global_batch(args):
+    saved, before, batch = saved_args(checkpoint), _layout(checkpoint), job.global_batch(args)
+    if math.prod(before) != batch:
         # Another global batch: another number of optimizer steps an epoch. Finish the epoch from the same number
         # of images seen. (The same global batch in another layout, -b x processes x --accum-steps, sees the same
         # images up to here: its steps are the same; only how they are split differs.)
-        checkpoint["step"] = step = step * math.prod(before) // job.global_batch(args)
+        checkpoint["step"] = step = step * math.prod(before) // batch
         log(f"note: the checkpoint was trained with a global batch of {math.prod(before)} ({before[0]} process(es) "
-            f"x -b {before[1]} x --accum-steps {before[2]}); this run's is {job.global_batch(args)} ({now[0]} x "
-            f"{now[1]} x {now[2]}). It continues at the same epoch and learning-rate position, but not bitwise as an "
-            "uninterrupted run would")
-    steps_per_epoch = images // job.global_batch(args)
+            f"x -b {before[1]} x --accum-steps {before[2]}); this run's is {batch} ({job.get_world_size()} x "
+            f"{args.batch_size} x {args.accum_steps}). It continues at the same epoch and learning-rate position, "
+            "but not bitwise as an uninterrupted run would")
+    steps_per_epoch, then = images // batch, checkpoint.get("train_list")
     if 0 < steps_per_epoch <= step:  # (0: a global batch larger than the data, which the preflight says next)
         log(f"note: {path} is at step {step} of epoch {epoch}, and an epoch has {steps_per_epoch} steps now ("
-            f"{images} training images, a global batch of {job.global_batch(args)}): epoch {epoch}'s training is "
-            "done; it is evaluated and saved, and the run goes on with the next")
+            f"{images} training images, a global batch of {batch}): epoch {epoch}'s training is done; it is "
+            "evaluated and saved, and the run goes on with the next")
         checkpoint["step"] = step = steps_per_epoch
-    then = checkpoint.get("train_list")
-    if 0 < step < steps_per_epoch and isinstance(then, dict) and then != RUN.train_list:
-        # Part-way through an epoch, its shuffle's positions are those of the list it was saved on: on another list,
-        # the rest of that shuffle would show some images twice and others never.
+    elif 0 < step < steps_per_epoch and isinstance(then, dict) and then != RUN.train_list:
         other = (f"{then.get('images')} images then, {images} now" if then.get("images") != images else
                  f"{images} images then and now, not the same ones")
         log(f"note: {path} was saved part-way through epoch {epoch} on another training list ({other}): epoch "
@@ -574,12 +497,12 @@ def _continued(checkpoint, args, images):
     best = checkpoint["best_miou"]
     log(f"resuming from {path} at {where} (epochs counted from 0), best mIoU "
         + (f"{best:.4f}" if math.isfinite(best) else "none yet"))
-    then, now = _base_lr(saved, math.prod(before)), _base_lr(vars(args), job.global_batch(args))
+    then, now = _base_lr(saved, math.prod(before)), _base_lr(vars(args), batch)
     if isinstance(then, (int, float)) and not math.isclose(then, now):  # --lr, or --base-batch's scaling, changed
         log(f"note: the learning rate's base is {now:g} now, {then:g} before (--lr {args.lr:g}"
-            + (f" x {job.global_batch(args)}/{args.base_batch}" if args.base_batch else "") + "): the poly schedule "
-            "goes on from this one")
-    if saved.get("epochs") and saved["epochs"] != args.epochs:  # the schedule's length changes: its learning rate jumps
+            + (f" x {batch}/{args.base_batch}" if args.base_batch else "") + "): the poly schedule goes on from "
+            "this one")
+    if saved.get("epochs", args.epochs) != args.epochs:  # the schedule's length changes: its learning rate jumps
         log(f"note: the run was scheduled over --epochs {saved['epochs']}, this one over {args.epochs}: the poly "
             f"learning rate goes on at the same step of the {args.epochs}-epoch schedule, "
             f"{'higher' if args.epochs > saved['epochs'] else 'lower'} than where the run stopped")
@@ -599,8 +522,8 @@ def ranks_compare_start(epoch, step):
     line."""
     if dist.is_initialized():
         device = "cuda" if dist.get_backend() == "nccl" else "cpu"  # NCCL reduces GPU tensors only
-        here = torch.tensor([epoch, step], dtype=torch.float64, device=device)
-        low, high = here.clone(), here.clone()
+        low = torch.tensor([epoch, step], dtype=torch.float64, device=device)
+        high = low.clone()
         dist.all_reduce(low, op=dist.ReduceOp.MIN)
         dist.all_reduce(high, op=dist.ReduceOp.MAX)
         if not torch.equal(low, high):
@@ -626,22 +549,21 @@ def load_weights(model, args, classes):
     if args.resume:  # a restart, a requeued job: the run's own checkpoint holds newer weights
         log(f"--weights {args.weights} not read: the run continues from its checkpoint {args.resume}")
         return
-    path = args.weights
+    path, names = args.weights, list(classes["names"])
     checkpoint = weights_of(args)
     RUN.weights.clear()  # (read once, used once: not kept for the whole run)
     _check_model_name(checkpoint, "--weights", path, args.model)
     weights, own = dict(checkpoint["model"]), model.state_dict()
     theirs = classes_of(checkpoint)
-    head = [key for key in ("classifier.weight", "classifier.bias") if key in weights and key in own]
-    if any(weights[key].shape != own[key].shape for key in head) or theirs not in (None, list(classes["names"])):
+    head = [key for key in ("classifier.weight", "classifier.bias") if key in weights]  # (every model has both)
+    if any(weights[key].shape != own[key].shape for key in head) or theirs not in (None, names):
         before = f"{len(theirs)} classes ({', '.join(theirs[:3])}, ...)" if theirs else "other classes"
-        for key in head:
-            weights[key] = own[key]
-        log(f"--weights {path}: its classifier, trained for {before}, does not fit the {len(classes['names'])} "
-            f"classes of {named('--data')} and starts afresh; every other layer starts from {path}")
+        weights.update({key: own[key] for key in head})
+        log(f"--weights {path}: its classifier, trained for {before}, does not fit the {len(names)} classes of "
+            f"{named('--data')} and starts afresh; every other layer starts from {path}")
     else:
         log(f"--weights {path}: every layer starts from it")
-    check_fits(weights, "--weights", path, args.model, len(classes["names"]), args.output_stride, checkpoint)
+    check_fits(weights, "--weights", path, args.model, len(names), args.output_stride, checkpoint)
     model.load_state_dict(weights)
 
 
@@ -688,42 +610,40 @@ def keeping_previous(save):
 def _cannot_write(path, error):
     """The line for a checkpoint that could not be written: what, why (the space left, for a full disk), and what
     to do, from the error's errno (paths.what_to_do)."""
-    kept = os.path.isfile(path)
     # Without a checkpoint, what the epoch wrote before it (its metrics line, best.pth) is a run of its own that the
     # same command would refuse to replace: --overwrite puts it aside.
     again = "./run.sh --overwrite" if named("--output-dir") == "OUTPUT_DIR" else "the same command with --overwrite"
     target = getattr(error, "filename2", None) or path  # the rename of the one before onto checkpoint.prev.pth, say
     advice = paths.what_to_do(error, path)
     advice = advice[:1].upper() + advice[1:]
-    then = (f"{path} is the last one written. {advice}; then, to resume, {job.resume_advice()}" if kept else
-            f"no checkpoint was kept. {advice}, then start again: {again} (what this epoch wrote is put aside)")
+    then = (f"{path} is the last one written. {advice}; then, to resume, {job.resume_advice()}" if os.path.isfile(path)
+            else f"no checkpoint was kept. {advice}, then start again: {again} (what this epoch wrote is put aside)")
     return f"cannot write {target} ({paths.why_not_written(error)}): {then}"
 
 
 # --- predict.py -------------------------------------------------------------------------------------------------
 def load_for_inference(path):
     """predict.py's model: everything from the checkpoint at path (--resume), read and checked as every reader does.
-    The model's name and output stride from its args, the number of classes from the classifier, the classes'
-    names and colours from "classes" when it has them (else Cityscapes'). -> (model in eval mode, classes)."""
+    The model's name and output stride from its args; its classes' names and colours from "classes" when it has
+    them (else those of the classes: Cityscapes' own, or a classes.json's without colours). The weights loaded, and
+    the colours made uint8 [r, g, b] for each class as predict.py's palette takes them, here: what does not fit is
+    torch's own error, said in one line before any image is read. -> (model in eval mode, classes)."""
     checkpoint = read("--resume", path)
-    saved = saved_args(checkpoint)
+    saved, names = saved_args(checkpoint), classes_of(checkpoint)
     if saved.get("model") is None:
         fail(f"--resume {path} holds weights without the model's name (no args['model']): give a checkpoint "
              "main.py wrote (best.pth or checkpoint.pth)")
-    classifier = checkpoint["model"].get("classifier.weight")
-    if classifier is None:  # (a model this version does not build: read() said so)
-        fail(f"--resume {path} holds no classifier.weight, which every DeepLab of this project has: give a "
-             "checkpoint main.py wrote (best.pth or checkpoint.pth)")
-    num_classes = classifier.shape[0]
-    model = build_model(saved["model"], num_classes, saved.get("output_stride") or DEFAULT_OUTPUT_STRIDE)
+    colors = checkpoint.get("classes", {}).get("colors")
+    if colors is None:
+        colors = CLASS_COLORS if names == CLASS_NAMES else default_colors(len(names))
+    model = build_model(saved["model"], len(names), saved.get("output_stride", 16))
     try:
         model.load_state_dict(checkpoint["model"])
-    except RuntimeError as error:
-        fail(f"--resume {path} does not fit {saved['model']} ({first_line(error)})")
-    classes = checkpoint.get("classes") or {"names": CLASS_NAMES, "colors": CLASS_COLORS}
-    if len(classes["names"]) != num_classes:  # (weights without classes, of another number than Cityscapes')
-        fail(f"--resume {path} has {num_classes} classes but names for {len(classes['names'])}")
-    return model.eval(), {"names": classes["names"], "colors": colors_of(classes)}
+        torch.tensor(colors, dtype=torch.uint8).view(len(names), 3)  # what records.palette makes of them
+    except (RuntimeError, TypeError, ValueError) as error:
+        fail(f"--resume {path} does not fit {saved['model']} with its {len(names)} classes and their colours "
+             f"({_said(error)})")
+    return model.eval(), {"names": names, "colors": colors}
 
 
 # --- where the run's files begin -------------------------------------------------------------------------------
@@ -743,24 +663,23 @@ def rewrite_run_files_at(args, start, epoch, step):
     rewind = (bool(start.path) and paths.names_in(start.path, out) and not paths.same_name(start.path, latest)
               and not (os.path.isfile(latest) and filecmp.cmp(start.path, latest, shallow=False)))
     saved = []
+    for path in (latest, previous_path(latest), os.path.join(out, "best.pth")) if rewind else ():
+        if os.path.isfile(path) and not paths.same_name(start.path, path):
+            copy = paths.beside(path, "rewound")
+            paths.second_name(path, copy)  # the run replaces the first name, this one stays
+            saved.append(os.path.basename(copy))
+            if path == previous_path(latest):
+                os.remove(path)  # later than the start, and kept above: no fallback to it
     if rewind:
-        for name in ("checkpoint.pth", "checkpoint.prev.pth", "best.pth"):
-            path = os.path.join(out, name)
-            if os.path.isfile(path) and not paths.same_name(start.path, path):
-                copy = paths.beside(path, "rewound")
-                paths.second_name(path, copy)  # the run replaces the first name, this one stays
-                saved.append(os.path.basename(copy))
-        if os.path.isfile(previous_path(latest)) and not paths.same_name(start.path, previous_path(latest)):
-            os.remove(previous_path(latest))  # later than the start, and kept above: no fallback to it
         # checkpoint.pth becomes a second name of the start (no copy), through a temporary name no leftover holds;
         # the next save gives it a file of its own (keeping_previous copes with the two names).
         temporary = paths.temporary_name(latest)
         paths.second_name(start.path, temporary)
         os.replace(temporary, latest)
-    if dropped and rewind:
-        copy = paths.beside(metrics, "rewound")
-        paths.write_atomically(copy, "".join(dropped).encode())
-        saved.append(f"{os.path.basename(copy)} ({len(dropped)} later epoch(s))")
+        if dropped:
+            copy = paths.beside(metrics, "rewound")
+            paths.write_atomically(copy, "".join(dropped).encode())
+            saved.append(f"{os.path.basename(copy)} ({len(dropped)} later epoch(s))")
     if len(kept) != total:
         paths.write_atomically(metrics, "".join(kept).encode())
     if saved:
@@ -773,24 +692,19 @@ def rewrite_run_files_at(args, start, epoch, step):
 def _split_metrics(path, epoch):
     """metrics.jsonl's lines -> (those kept: the records of the epochs before `epoch`, and every line that is not a
     record of this program, such as a note a user added, in its place; the records of the epochs after; how many
-    lines). A record cut short by a crash (the last line, unended) belonged to the epoch being redone: in neither."""
+    lines). A record is what records.write_epoch wrote: a JSON object with a whole number as its epoch. One cut
+    short by a crash (the last line, unended) belonged to the epoch being redone: in neither."""
     kept, dropped, total = [], [], 0
-    if os.path.isfile(path):
-        with open(path) as f:
-            for line in f:
-                total += 1
-                recorded = _epoch_of_record(line)
-                if recorded is None and not line.endswith("\n") and line.startswith('{"epoch": '):
-                    continue  # what records.write_epoch began: cut short
-                (kept if recorded is None or recorded < epoch else dropped).append(line)
+    if not os.path.isfile(path):
+        return kept, dropped, total
+    with open(path) as f:
+        for total, line in enumerate(f, 1):
+            try:
+                record = json.loads(line)
+            except ValueError:
+                record = None
+            recorded = record["epoch"] if isinstance(record, dict) and type(record.get("epoch")) is int else None
+            if recorded is None and not line.endswith("\n") and line.startswith('{"epoch": '):
+                continue  # what records.write_epoch began: cut short
+            (kept if recorded is None or recorded < epoch else dropped).append(line)
     return kept, dropped, total
-
-
-def _epoch_of_record(line):
-    """The epoch of a line records.write_epoch wrote (a JSON object with a whole number as its epoch), or None for any
-    other line."""
-    try:
-        record = json.loads(line)
-    except ValueError:
-        return None
-    return record["epoch"] if isinstance(record, dict) and type(record.get("epoch")) is int else None

@@ -377,17 +377,20 @@ def _momentum_of_another_shape(state):
     state["optimizer"]["state"][first]["momentum_buffer"] = torch.zeros(3)
 
 
+_NO_LOAD = "its optimizer or scaler does not load into main.py's SGD and GradScaler"  # torch's own error follows
+
+
 @pytest.mark.parametrize("change, expect", [
     (lambda s: s.update(step=2, epoch=0) or s.pop("epoch_loss_sum"), "it holds no epoch_loss_sum"),
     (lambda s: s["optimizer"]["param_groups"].append(dict(s["optimizer"]["param_groups"][1], params=[])),
-     "its optimizer has 3 parameter group(s), not 2"),
-    (_adam, "its optimizer is not SGD's (it holds exp_avg, exp_avg_sq, step)"),
-    (_momentum_of_another_shape, "1 of its optimizer's momentum buffers fit no parameter of"),
+     f"{_NO_LOAD} (ValueError: loaded state dict has a different number of parameter groups)"),
+    (_adam, f"{_NO_LOAD} (ValueError: another optimizer's state: it holds exp_avg, exp_avg_sq, step)"),
+    (_momentum_of_another_shape, f"{_NO_LOAD} (RuntimeError: output with shape torch.Size([3])"),
     (lambda s: s.update(epoch="1"), "its epoch is '1', not a whole number of at least 0"),
     (lambda s: s.update(epoch=-1), "its epoch is -1, not a whole number"),
     (lambda s: s.update(best_miou=None), "its best_miou is None, neither an mIoU from 0 to 1 nor -inf"),
-    (lambda s: s.update(scaler={"scale": "big"}), "its scaler is not a GradScaler's state"),
-    (lambda s: s["args"].update(batch_size=0), "its args' batch_size is 0, not a whole number of at least 1"),
+    (lambda s: s.update(scaler={"scale": "big"}), f"{_NO_LOAD} (KeyError: 'growth_factor')"),
+    (lambda s: s["args"].update(batch_size=0), "its batch_size is 0, not a whole number of at least 1"),
 ])
 def test_a_checkpoint_of_another_version_is_refused_in_one_line_before_training(change, expect, tiny_data, trained,
                                                                                tmp_path, capsys):
@@ -402,7 +405,7 @@ def test_a_checkpoint_of_another_version_is_refused_in_one_line_before_training(
     assert f"--resume {path} cannot resume training in this version of main.py: {expect}" in line, line
     assert "(it carries no format number: an earlier version of main.py wrote it, or another program)" in line, line
     assert fingerprint(out) == before  # nothing trained, nothing written
-    if expect.startswith("its optimizer is not SGD's"):  # the advice, the same in every case, followed once
+    if "another optimizer's state" in expect:  # the advice, the same in every case, followed once
         advised = re.search(r"fine-tuning into a new run: (--weights \S+) --output-dir NEW$", line).group(1).split()
         run_main(common[:-1] + ["1", "--output-dir", str(tmp_path / "new"), *advised])
         assert os.path.isfile(tmp_path / "new" / "checkpoint.pth")

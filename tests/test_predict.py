@@ -145,6 +145,24 @@ def test_a_full_disk_ends_in_one_line(checkpoint, tmp_path, monkeypatch, capsys)
                                   "on device; ") + r"\d+ MiB free there when it failed\): free space there", line), line
 
 
+def test_a_checkpoint_whose_weights_or_colours_do_not_fit_ends_in_one_line_before_any_image(checkpoint, tmp_path,
+                                                                                          capsys):
+    """What predict.py takes from a checkpoint is loaded before any image is read (the weights into the model, the
+    colours into the palette): torch's own error, in one line that names the file, and nothing written."""
+    inputs, out = str(tmp_path / "photos"), str(tmp_path / "out")
+    write_images(inputs, broken=False)
+    state = torch.load(checkpoint, weights_only=True)
+    for number, classes in enumerate([{"names": ["a", "b", "c"]},  # a classifier of 19
+                                      {"names": [str(i) for i in range(19)], "colors": [[300, 0, 0]] * 19}]):
+        path = str(tmp_path / f"misfit{number}.pth")
+        torch.save({**state, "classes": classes}, path)
+        line = _fails(["--resume", path, inputs, "--output-dir", out, "-j", "0"], capsys)
+        assert line.startswith(f"predict.py: error: --resume {path} does not fit {TRAIN_ARGS[1]} with its "
+                               f"{len(classes['names'])} classes and their colours (RuntimeError: "), line
+        assert ("size mismatch for classifier.weight" if number == 0 else "uint8") in line, line
+        assert not os.path.exists(out)
+
+
 @pytest.fixture(scope="module")
 def two_process_run(tiny_data, tmp_path_factory):
     """A folder: run/best.pth, as main.py writes it on two processes (one epoch on tiny_data); best.pth, the same with
