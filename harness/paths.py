@@ -674,10 +674,7 @@ def hold(flag, folder, args):
 def _check_lock_file(path):
     """The lock file's name holds a file or nothing: anything else there is named, a symbolic link too (the lock
     record would be written into the file it leads to)."""
-    if os.path.islink(path):
-        fail(f"{path} is a symbolic link (to {os.readlink(path)}), where this program keeps its lock file (one folder, "
-             "one run): remove the link, then run again")
-    found = kind(path)
+    found = f"a symbolic link (to {os.readlink(path)})" if os.path.islink(path) else kind(path)
     if found not in (None, "a file"):
         fail(f"{path} is {found}, where this program keeps its lock file (one folder, one run): remove it, then run "
              "again")

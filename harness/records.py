@@ -32,9 +32,7 @@ from .job import RUN, is_main_process, log, named
 def open_tensorboard(args, first_iteration):
     """Rank 0's TensorBoard writer with --tensorboard, which makes OUTPUT_DIR/tensorboard/ and its first file.
     purge_step: TensorBoard drops what a stopped run drew from that iteration on, so that a resumed run draws no
-    stretch twice."""
-    RUN.records.writer = None
-    RUN.records.estimated = False
+    stretch twice. (The writer before it, with the rest of RUN.records, is gone: job.begin_run.)"""
     if not (args.tensorboard and is_main_process()):
         return
     from torch.utils.tensorboard import SummaryWriter  # optional: the preflight found it installed
@@ -155,7 +153,7 @@ def write_epoch(args, epoch, steps_per_epoch, stats, train_loss, evaluation, sam
     if not RUN.records.estimated and left and stats.steps:  # after the run's first epoch that trained a step, so
         # that nobody wonders whether it hangs
         RUN.records.estimated = True
-        training = stats.seconds * steps_per_epoch / max(stats.steps, 1)  # a whole epoch's, also when it resumed
+        training = stats.seconds * steps_per_epoch / stats.steps  # a whole epoch's, also when it resumed
         estimate = (training + evaluation.seconds) * left
         log(f"the other {left} epoch(s) will take about {timedelta(seconds=round(estimate))}")
 
@@ -245,7 +243,6 @@ def watch_predictions(val_set):
     full disk) instead of raising it out of the evaluation: the evaluation finishes, the epoch is saved (or -e's
     eval.json written), and say_lost_predictions then ends the run in one line. After a first failure the rest are
     counted, not tried; a file half written is removed."""
-    RUN.records.lost_predictions = None
     save = val_set.save_prediction
 
     def save_or_note(index, prediction, folder):

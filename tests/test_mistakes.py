@@ -1625,7 +1625,7 @@ def test_no_write_follows_a_link_left_where_the_run_writes(tiny_data, trained, t
     link = out / ".held"
     os.symlink(notes, link)
     assert main_fails(common, capsys) == (f"main.py: error: {link} is a symbolic link (to {notes}), where this program "
-                                          "keeps its lock file (one folder, one run): remove the link, then run again")
+                                          "keeps its lock file (one folder, one run): remove it, then run again")
     os.remove(link)
     os.symlink(notes, out / "vis" / "epoch_001.png")
     os.replace(out / "metrics.jsonl", tmp_path / "metrics.jsonl")  # the run's lines, kept elsewhere and linked to
