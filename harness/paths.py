@@ -260,7 +260,7 @@ def _failed(error, path=None):
         if cause is None or isinstance(cause, OSError) and cause.errno:
             break
         cause = cause.__cause__ or cause.__context__
-    if not isinstance(cause, OSError):
+    if not (isinstance(cause, OSError) and cause.errno):
         free = getattr(error, "free_mib", None)
         return (errno.ENOSPC if isinstance(error, RuntimeError) and free is not None and free < 16 else None), [path]
     names = [os.fsdecode(name) for name in (cause.filename2, cause.filename) if isinstance(name, (str, bytes))]
@@ -330,11 +330,11 @@ def what_to_do(error, path):
     mark = number in (errno.EPERM, errno.EACCES) and next(filter(None, map(marked, names + [folder])), None)
     if mark:
         return mark
-    # A name the failed call made, not there: where the filesystem refuses it (FAT, exFAT and SMB a ':', say), vfat
-    # says EINVAL; some FUSE mounts say EPERM in a folder this user may write.
-    refused = next((name for name in names[:-1] if not os.path.lexists(name)), None)
-    if refused and (number == errno.EINVAL or number == errno.EPERM and os.access(folder, os.W_OK | os.X_OK)):
-        return f"its filesystem refuses the name {os.path.basename(refused)}: choose another name"
+    # The name the failed call made (a rename's target), not there: where its filesystem refuses it (FAT, exFAT and
+    # SMB a ':', say), vfat says EINVAL; some FUSE mounts say EPERM in a folder this user may write.
+    made = len(names) > 1 and not os.path.lexists(names[0])
+    if made and (number == errno.EINVAL or number == errno.EPERM and os.access(folder, os.W_OK | os.X_OK)):
+        return f"its filesystem refuses the name {os.path.basename(names[0])}: choose another name"
     if number in (errno.EPERM, errno.EACCES):
         return f"give this user write permission to {folder} and the files in it (ls -l {folder})"
     limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
