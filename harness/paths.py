@@ -392,9 +392,7 @@ def write_folder(path, write):
     try:
         os.makedirs(temporary)
         write(temporary)
-        if os.path.isdir(path):
-            os.rmdir(path)  # empty, checked above
-        os.replace(temporary, path)
+        os.replace(temporary, path)  # (rename(2) replaces an empty folder, as path is here, or nothing)
     except BaseException:
         shutil.rmtree(temporary, ignore_errors=True)
         raise
