@@ -366,8 +366,8 @@ def check_readable(flag, path):
 
 
 def second_name(path, new):
-    """Give the file at path the second name new, a name not taken (not followed, when path is a link: the link
-    itself): a hard link, or where the filesystem makes none, a copy of the bytes it holds, written as every file is.
+    """Give the file at path the second name new, a name not taken: a hard link (of the link itself, when path is
+    one), or where the filesystem makes none, a copy of the bytes path reads as, written as every file is.
     link(2) says EPERM where a filesystem has no hard links (FAT, exFAT, SMB, many FUSE mounts), as for a link
     Linux's protected_hardlinks forbids; a folder this user may not write is EACCES, and is raised."""
     try:
