@@ -566,8 +566,8 @@ def check_run_files(args):
     """Before anything is read in --output-dir, and before any step: every name the run will write there that is
     there already is what the run writes (a file, a folder), not marked immutable or append-only, and a folder
     this user may write into (vis/, tensorboard/). One line names the first that is not and what to do, instead of
-    a failed save after an epoch. What --overwrite moves aside is not checked: it goes. (Every file is replaced
-    whole, never written through a link: a link at its name is no obstacle, and its target stays as it is.)"""
+    a failed save after an epoch. What --overwrite moves aside is not checked: it goes. Every file is replaced
+    whole, never written through a link: a link at its name is no obstacle, and is said."""
     out = args.output_dir
     early = SimpleNamespace(afresh=False, auto=job.env().restarts > 0,
                             path="" if args.resume == "auto" else args.resume)
@@ -585,10 +585,9 @@ def check_run_files(args):
         if found == "a folder" and not os.access(path, os.W_OK | os.X_OK):
             fail(f"{path} cannot be written by this user, and the run writes to it: give this user write "
                  f"permission (ls -ld {path}), or move it away")
-    checkpoint = job.checkpoint_path(out)
-    if not args.evaluate and os.path.islink(checkpoint) and kind(checkpoint) == "a file":
-        log(f"note: {checkpoint} is a symbolic link to {os.path.realpath(checkpoint)}: the run reads it, and its "
-            "next save replaces the link with a file of its own (the file it leads to stays as it is)")
+        if found == "a file" and os.path.islink(path):
+            log(f"note: {path} is a symbolic link to {os.path.realpath(path)}: the run reads it, and its next write "
+                "replaces the link with a file of its own (the file it leads to stays as it is)")
 
 
 # --- one folder, one run ------------------------------------------------------------------------------------------
