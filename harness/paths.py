@@ -1,18 +1,18 @@
 """Where the programs write, checked in one place before any work: nothing a command reads is written over,
-moved or removed, and every output goes where it can be written; one run holds an output folder at a time.
-Plain os calls; dataset.py's cache command, synthetic.py, checkpoints.py, records.py, the preflight and
-predict.py use it.
+moved or removed, and every output goes where it can be written; one run holds an output folder at a time. And the
+one writer of a file, with the one line for a write that failed. Plain os calls; dataset.py's cache command,
+synthetic.py, checkpoints.py, records.py, the preflight and predict.py use it.
 
     paths.check_folder("--output-dir", out, reads=[("--data", data)])   # a folder, not on or in an input
     paths.make_folder("--output-dir", out)                    # made with its missing parents, and probed
     paths.check_file_and_make_folder("--export", path, reads=[("--resume", ckpt)], replaceable=is_export)
     paths.move_aside(out, RUN_FILES, "replaced")              # --overwrite: the old run put aside, not deleted
-    paths.write_atomically(path, data)                        # a file whole, or the old one as it was
+    paths.write_atomically(path, data)                        # every file written: whole, or the old one as it was
     paths.write_folder(path, write)                           # a generated data set: whole, or not at all
+    paths.cannot_write("--export out.onnx", error, path)      # a failed write's line: why, and what to do
     paths.hold_output(args)                                   # one folder, one run: OUTPUT_DIR/.held locked, written
     paths.hold("--save-predictions", folder, args)            # the same for any folder a run writes (predict.py's)
     paths.check_run_files(args)                               # nothing there in the way of what the run writes
-    paths.why_not_written(error), paths.what_to_do(error, path)   # a failed write's reason, and advice from its errno
     paths.release_output()                                    # the end of the run (recovery.guard): each .held removed
 
 A name that says check and nothing more only reads; make, move, write, hold and release write.
@@ -31,6 +31,7 @@ import struct
 import sys
 import tempfile
 import time
+from types import SimpleNamespace
 
 from . import job
 from .errors import UserError, fail, first_line
@@ -41,6 +42,15 @@ def inside(path, folder):
     """Whether path is folder itself or lies below it, links resolved."""
     path, folder = os.path.realpath(path), os.path.realpath(folder)
     return path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)
+
+
+def above(path):
+    """path (made absolute) and each folder above it, nearest first."""
+    place, places = os.path.abspath(path), []
+    while place not in places:  # (the root is its own folder)
+        places.append(place)
+        place = os.path.dirname(place)
+    return places
 
 
 def names_in(path, folder):
@@ -75,23 +85,24 @@ def kind(path):
 
 # linux/fs.h: FS_IOC_GETFLAGS is _IOR('f', 1, long); a platform that lays ioctl numbers out otherwise refuses it.
 _GET_FLAGS = (2 << 30) | (struct.calcsize("l") << 16) | (ord("f") << 8) | 1
-_MARKS = ((0x10, "immutable", "i"), (0x20, "append-only", "a"))  # FS_IMMUTABLE_FL, FS_APPEND_FL
 
 
 def marked(path):
-    """(mark, chattr letter) when the file at path is marked immutable or append-only (chattr +i, +a), which no
-    rename, removal or rewrite passes, root's neither; else None (also where the filesystem keeps no such marks)."""
+    """Where what is at path is marked immutable or append-only (chattr +i, +a), which no rename, removal or rewrite
+    passes, root's neither: the words that say so and how to clear it; else None (also where the filesystem keeps no
+    such marks)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        try:
+            flags = int.from_bytes(fcntl.ioctl(fd, _GET_FLAGS, bytes(8))[:4], sys.byteorder)
+        finally:
+            os.close(fd)
     except OSError:
         return None
-    try:
-        flags = int.from_bytes(fcntl.ioctl(fd, _GET_FLAGS, bytes(8))[:4], sys.byteorder)
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
-    return next(((name, letter) for bit, name, letter in _MARKS if flags & bit), None)
+    for bit, mark in ((0x10, "immutable"), (0x20, "append-only")):  # FS_IMMUTABLE_FL, FS_APPEND_FL
+        if flags & bit:
+            return f"{path} is marked {mark} (lsattr): clear it with chattr -{mark[0]} {path}"
+    return None
 
 
 def temporary_name(path):
@@ -100,40 +111,33 @@ def temporary_name(path):
     return f"{path}.{os.getpid()}-{secrets.token_hex(4)}.tmp"
 
 
-def _inputs(reads):
-    """reads: [(flag, path)] of what a command reads; the ones given."""
-    return [(flag, path) for flag, path in reads if path]
-
-
 def check_folder(flag, path, reads=()):
-    """An output folder: not a file, not an input of the command nor inside one (reads: [(flag, path)]), and
-    where it can be made (found without writing anything: make_folder makes it, once every check is done)."""
-    _no_broken_link(flag, path)
+    """An output folder: not a file, not an input of the command nor inside one (reads: [(flag, path)], a path
+    None where not given), and where it can be made (found without writing anything: make_folder makes it, once
+    every check is done)."""
+    existing = _nearest(flag, path)
     if os.path.exists(path) and not os.path.isdir(path):
         fail(f"{named(flag)} {path} is a file, not a folder: give a folder")
-    existing = os.path.abspath(path)
-    while not os.path.exists(existing):
-        existing = os.path.dirname(existing)
     if not os.path.isdir(existing) or not os.access(existing, os.W_OK | os.X_OK):
         why = "is a file" if not os.path.isdir(existing) else "cannot be written"
         fail(f"{named(flag)} {path} cannot be written ({existing} {why}): choose a folder you can write to")
-    for read_flag, source in _inputs(reads):
-        if inside(path, source):
+    for read_flag, source in reads:
+        if source and inside(path, source):
             where = "is" if os.path.realpath(path) == os.path.realpath(source) else "is inside"
             fail(f"{named(flag)} {path} {where} {named(read_flag)} {source}, which this command reads: outputs never "
                  f"land among the inputs; choose a folder outside it")
 
 
-def _no_broken_link(flag, path):
-    """Neither path nor a folder above it is a symbolic link that leads nowhere or loops back to itself (which
-    os.makedirs would report as a file that exists, or as too many levels of links)."""
-    place = os.path.abspath(path)
-    while place != os.path.dirname(place):
-        if os.path.islink(place) and not os.path.exists(place):
+def _nearest(flag, path):
+    """The nearest entry at or above path that exists. A symbolic link on the way that leads nowhere or loops back
+    to itself is named (os.makedirs would report it as a file that exists, or as too many levels of links)."""
+    for place in above(path):
+        if os.path.exists(place):
+            return place
+        if os.path.islink(place):
             where = "" if place == os.path.abspath(path) else f" ({place}, on its way)"
             fail(f"{named(flag)} {path}{where} is a symbolic link that leads nowhere or loops back to itself: remove "
                  "it, or point it at a folder")
-        place = os.path.dirname(place)
 
 
 def make_folder(flag, path):
@@ -145,18 +149,17 @@ def make_folder(flag, path):
         os.close(fd)
         os.remove(probe)
     except OSError as error:
-        fail(f"{named(flag)} {path} cannot be written ({why_not_written(error)}): {what_to_do(error, path)}, or "
-             "choose another folder")
+        fail(cannot_write(f"{named(flag)} {path}", error, path, after=", or choose another folder"))
 
 
 def check_file_and_make_folder(flag, path, reads=(), replaceable=None):
     """An output file: not a folder, not a file the command reads, not in a folder it reads; an existing file
     only if replaceable(path) says it is an earlier output of the same kind. Its folder is made."""
-    _no_broken_link(flag, path)
+    _nearest(flag, path)
     if os.path.isdir(path):
         fail(f"{flag} {path} is a folder: give a file name, e.g. {os.path.join(path, 'model.onnx')}")
-    for read_flag, source in _inputs(reads):
-        if inside(path, source):
+    for read_flag, source in reads:
+        if source and inside(path, source):
             fail(f"{flag} {path} would write over {read_flag} {source}, which this command reads: give another name")
     if os.path.exists(path) and not (replaceable and replaceable(path)):
         fail(f"{flag} {path} exists and is not an earlier output of {flag}: give another name, or move it away")
@@ -195,24 +198,22 @@ def move_aside(folder, names, label):
         for name in present:
             os.replace(os.path.join(folder, name), os.path.join(target, name))
     except OSError as error:
-        fail(f"cannot move the old run in {folder} aside to {target} ({error.strerror or error}); move it yourself")
+        fail(cannot_write(f"{target} to move the old run in {folder} aside", error, target,
+                          after=", or move it aside yourself"))
     return target
 
 
 def free_mib(folder):
     """Free space where folder is (or its nearest existing parent), in MiB, for a line about a full disk."""
-    folder = os.path.abspath(folder)
-    while not os.path.exists(folder):
-        folder = os.path.dirname(folder)
-    return shutil.disk_usage(folder).free / 2**20
+    return shutil.disk_usage(next(filter(os.path.exists, above(folder)))).free / 2**20
 
 
 def write_atomically(path, data, durable=True):
-    """Write a temporary file, fsync, rename over path: a crash mid-write leaves the old file whole, and a failed
-    write (a full disk) leaves no half file behind. The temporary file is made exclusively under a new name: no write
-    follows a link someone left at path or beside it (the rename replaces a link at path, not what it leads to).
-    data: bytes, or a function that writes into a file. durable=False: no fsync (a heartbeat, rewritten every
-    minute)."""
+    """The one writer of a file: a temporary file beside path, made exclusively under a new name, fsynced, then
+    renamed over path. A crash mid-write leaves the old file whole, a failed write (a full disk) leaves no half file
+    behind, and no write follows a link someone left at path or beside it (the rename replaces a link at path, not
+    what it leads to). data: bytes, or a function that writes into a file. durable=False: no fsync (a picture, a
+    heartbeat rewritten every minute)."""
     tmp = temporary_name(path)
     try:
         with open(tmp, "xb") as f:
@@ -248,37 +249,46 @@ def note_free_space(error, path):
     error.free_mib = free_mib(os.path.dirname(os.path.abspath(path)))
 
 
-def _os_error(error):
-    """The OSError of a write that failed: the error itself, or the one it was raised on (torch.save into a file
-    object raises a RuntimeError of its own, "unexpected pos ...", with the file's OSError as its context)."""
+def _failed(error, path=None):
+    """(errno, names) of a write that failed: its OSError's number, and the names the failed call gave it (a rename's
+    two, the second first), then path. Its OSError: the error itself, or the one it was raised on (torch.save into a
+    file object raises a RuntimeError of its own, "unexpected pos ...", with the file's OSError as its context).
+    torch.save writing a path itself says a full disk in its own words alone: taken for ENOSPC when the disk was
+    nearly full as it failed."""
+    cause = error
     for _ in range(8):  # (a chain, not a loop)
-        if error is None or isinstance(error, OSError) and error.errno:
-            return error
-        error = error.__cause__ or error.__context__
-    return None
+        if cause is None or isinstance(cause, OSError) and cause.errno:
+            break
+        cause = cause.__cause__ or cause.__context__
+    if not (isinstance(cause, OSError) and cause.errno):
+        free = getattr(error, "free_mib", None)
+        return (errno.ENOSPC if isinstance(error, RuntimeError) and free is not None and free < 16 else None), [path]
+    names = [os.fsdecode(name) for name in (cause.filename2, cause.filename) if isinstance(name, (str, bytes))]
+    return cause.errno, names + [path]
 
 
-def _errno(error):
-    """The errno of a write that failed (_os_error's). torch.save writing a path itself says a full disk in its own
-    words alone: taken for ENOSPC when the disk was nearly full as it failed."""
-    cause = _os_error(error)
-    if cause is not None:
-        return cause.errno
-    free = getattr(error, "free_mib", None)
-    return errno.ENOSPC if isinstance(error, RuntimeError) and free is not None and free < 16 else None
-
-
-def _names(error, path):
-    """The names a failed call gave its OSError (a rename's two, the second first), then path."""
-    cause = _os_error(error)
-    given = (getattr(cause, "filename2", None), getattr(cause, "filename", None)) if cause is not None else ()
-    return [os.fsdecode(name) for name in given if isinstance(name, (str, bytes))] + [path]
+def cannot_write(what, error, path, before="", after="", checkpoint=None):
+    """The one line for a write that failed, whichever writer met it: "cannot write WHAT (why): BEFORE advice AFTER".
+    Why and the advice come from the error (why_not_written, what_to_do: path is where it looks first for what is in
+    the way); the advice begins a sentence where BEFORE ends one. checkpoint: the write of an epoch's files, which
+    costs the epoch (no checkpoint is written after it): the line says which checkpoint is the last one, and how to
+    resume from it; where none was kept, to start again with --overwrite (a run's files without its checkpoint are a
+    run the same command would refuse to replace)."""
+    if checkpoint and os.path.isfile(checkpoint):
+        before, after = f"{checkpoint} is the last one written. ", f"; then, to resume, {job.resume_advice()}"
+    elif checkpoint:
+        again = "./run.sh --overwrite" if named("--output-dir") == "OUTPUT_DIR" else "the same command with --overwrite"
+        before, after = "no checkpoint was kept. ", f", then start again: {again} (what this epoch wrote is put aside)"
+    advice = what_to_do(error, path)
+    if before.endswith(". "):
+        advice = advice[:1].upper() + advice[1:]
+    return f"cannot write {what} ({why_not_written(error)}): {before}{advice}{after}"
 
 
 def why_not_written(error):
     """What a failed write's error says, as a person reads it (its errno's words; a full disk as such, with the
     free space when it failed)."""
-    number = _errno(error)
+    number = _failed(error)[0]
     if number in (errno.ENOSPC, errno.EDQUOT):
         free = getattr(error, "free_mib", None)
         why = "no space left on device" if number == errno.ENOSPC else "disk quota exceeded"
@@ -286,76 +296,52 @@ def why_not_written(error):
     return os.strerror(number) if number else first_line(error)
 
 
-def _in_the_way(error, path):
+def _in_the_way(number, names):
     """The entry that stands where a write needed another kind (EISDIR, ENOTDIR, EEXIST, ENOTEMPTY): of the names
-    the error gives (a rename's two, else path), the first that is a folder where a file goes, or a file where a
-    folder goes (the nearest such folder above the name), or, for EEXIST, the one that exists."""
-    names = _names(error, path)
-    number = _errno(error)
+    a failed call gave (a rename's two, then the path written), the first that is a folder where a file goes, or a
+    file where a folder goes (the nearest entry above the name), or, for EEXIST, the one that exists."""
     for name in names:
         if number == errno.ENOTDIR:
-            place = os.path.dirname(os.path.abspath(name))
-            while place != os.path.dirname(place) and not os.path.exists(place):
-                place = os.path.dirname(place)
-            if os.path.exists(place) and not os.path.isdir(place):
+            place = next(filter(os.path.lexists, above(os.path.dirname(os.path.abspath(name)))))
+            if not os.path.isdir(place):
                 return place
         elif os.path.isdir(name) or (number == errno.EEXIST and os.path.lexists(name)):
             return name
     return names[0]
 
 
-_REFUSED_CHARACTERS = '\\ : * ? " < > |'
-
-
-def _name_refused(path):
-    """Whether the last part of path holds a character FAT, exFAT and SMB refuse in a name (Linux's own filesystems
-    take any but / and NUL): then a write there that fails as an invalid argument is the name's fault."""
-    name = os.path.basename(os.path.normpath(path))
-    return any(c in name for c in _REFUSED_CHARACTERS.split())
-
-
-def _refused_name(path):
-    return (f"its filesystem refuses the name {os.path.basename(os.path.normpath(path))} (FAT, exFAT and SMB allow "
-            f"none of {_REFUSED_CHARACTERS} in a name): choose another name")
+_ADVICE = {errno.ENOSPC: "free space there", errno.EDQUOT: "free space there (or raise your quota)",
+           errno.ENAMETOOLONG: "the name is longer than its filesystem allows: choose a shorter one",
+           errno.EROFS: "its filesystem is mounted read-only: choose a folder on another one",
+           errno.EFBIG: "the file is larger than its filesystem allows: choose a folder on another filesystem",
+           errno.EIO: "the device or network filesystem failed (dmesg says more): see to it, or choose another folder"}
 
 
 def what_to_do(error, path):
     """The advice for a write at path that failed, chosen from the error's errno alone, whichever writer met it:
-    a full disk, a folder or file in the way (named), permissions or a chattr mark (named), a read-only filesystem,
-    the file-size limit (ulimit -f). Words that go after "cannot write ... (why): "."""
-    number = _errno(error)
-    names = _names(error, path)
-    if number in (errno.ENOSPC, errno.EDQUOT):
-        return "free space there" + (" (or raise your quota)" if number == errno.EDQUOT else "")
+    a full disk, a folder or file in the way (named), a chattr mark (named), a name the filesystem refuses,
+    permissions, a read-only filesystem, the file-size limit (ulimit -f). Words that go after "cannot write ... (why):
+    " (cannot_write)."""
+    number, names = _failed(error, path)
+    folder = os.path.dirname(os.path.abspath(names[0]))  # where the failed call wrote: its name's folder
     if number in (errno.EISDIR, errno.ENOTDIR, errno.EEXIST, errno.ENOTEMPTY):
-        thing = _in_the_way(error, path)
+        thing = _in_the_way(number, names)
         return f"{thing} is {kind(thing) or 'there'}, in the way of the run's own: move it away"
-    # A name FAT, exFAT or SMB refuse: vfat says EINVAL; some FUSE mounts EPERM, in a folder this user may write.
-    # Only a name the failed call made (its own, not path) and that is not there (one there, the filesystem took).
-    refused = next((name for name in names[:-1] if _name_refused(name) and not os.path.lexists(name)), None)
-    if number == errno.EINVAL and refused:
-        return _refused_name(refused)
-    if number == errno.ENAMETOOLONG:
-        return "the name is longer than its filesystem allows: choose a shorter one"
+    mark = number in (errno.EPERM, errno.EACCES) and next(filter(None, map(marked, names + [folder])), None)
+    if mark:
+        return mark
+    # The name the failed call made (a rename's target), not there: where its filesystem refuses it (FAT, exFAT and
+    # SMB a ':', say), vfat says EINVAL; some FUSE mounts say EPERM in a folder this user may write.
+    made = len(names) > 1 and not os.path.lexists(names[0])
+    if made and (number == errno.EINVAL or number == errno.EPERM and os.access(folder, os.W_OK | os.X_OK)):
+        return f"its filesystem refuses the name {os.path.basename(names[0])}: choose another name"
     if number in (errno.EPERM, errno.EACCES):
-        mark = next(((name, found) for name in names if (found := marked(name))), None)
-        if mark:
-            return f"{mark[0]} is marked {mark[1][0]} (lsattr): clear it with chattr -{mark[1][1]} {mark[0]}"
-        folder = os.path.dirname(os.path.abspath(names[0]))  # where the failed call wrote: its name's folder
-        if refused and os.access(os.path.dirname(os.path.abspath(refused)), os.W_OK | os.X_OK):
-            return _refused_name(refused)
         return f"give this user write permission to {folder} and the files in it (ls -l {folder})"
-    if number == errno.EROFS:
-        return "its filesystem is mounted read-only: choose a folder on another one"
-    if number == errno.EFBIG:
-        limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
-        if limit != resource.RLIM_INFINITY:
-            return (f"this process may write files of at most {limit / 2**20:.1f} MiB (the shell's file-size limit, "
-                    "ulimit -f): raise it, ulimit -f unlimited, in the shell that starts the run")
-        return "the file is larger than its filesystem allows: choose a folder on another filesystem"
-    if number == errno.EIO:
-        return "the device or network filesystem failed (dmesg says more): see to it, or choose another folder"
-    return "see to its cause, or choose another folder"
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    if number == errno.EFBIG and limit != resource.RLIM_INFINITY:
+        return (f"this process may write files of at most {limit / 2**20:.1f} MiB (the shell's file-size limit, "
+                "ulimit -f): raise it, ulimit -f unlimited, in the shell that starts the run")
+    return _ADVICE.get(number, "see to its cause, or choose another folder")
 
 
 class Unreadable(UserError):
@@ -380,27 +366,24 @@ def check_readable(flag, path):
 
 
 def second_name(path, new):
-    """Give the file at path the second name new (not followed, when path is a link: the link itself): a hard link,
-    or a copy of its bytes where the filesystem makes none. link(2) says EPERM where a filesystem has no hard links
-    (FAT, exFAT, SMB, many FUSE mounts), as for a link Linux's protected_hardlinks forbids; a folder this user may
-    not write is EACCES, and is raised. The copy is of the bytes alone: some of those filesystems refuse a chmod to a
-    mode they cannot hold, which copying the permissions would make."""
+    """Give the file at path the second name new, a name not taken: a hard link (of the link itself, when path is
+    one), or where the filesystem makes none, a copy of the bytes path reads as, written as every file is.
+    link(2) says EPERM where a filesystem has no hard links (FAT, exFAT, SMB, many FUSE mounts), as for a link
+    Linux's protected_hardlinks forbids; a folder this user may not write is EACCES, and is raised."""
     try:
         os.link(path, new, follow_symlinks=False)
     except OSError as error:
         if error.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.EMLINK, errno.EXDEV):
             raise
-        if os.path.islink(path):
-            os.symlink(os.readlink(path), new)  # (fails where anything has the name new, as link() does)
-            return
-        with open(path, "rb") as source, open(new, "xb") as copy:  # "x": never through a link left at new
-            shutil.copyfileobj(source, copy)
+        with open(path, "rb") as source:
+            write_atomically(new, lambda copy: shutil.copyfileobj(source, copy))
 
 
 def write_folder(path, write):
     """Make the folder `path` by write(temporary): into a temporary folder beside it, renamed to path when write
-    returns. An interrupted run leaves no half-written data set under path. A folder that exists and is not
-    empty is refused: what is in it could be real data, and a generator's file names are real ones."""
+    returns. An interrupted run leaves no half-written data set under path; a write that fails ends in one line. A
+    folder that exists and is not empty is refused: what is in it could be real data, and a generator's
+    file names are real ones."""
     if os.path.exists(path) and not os.path.isdir(path):
         fail(f"{path} is a file, not a folder: give a new folder")
     if os.path.isdir(path) and os.listdir(path):
@@ -408,18 +391,12 @@ def write_folder(path, write):
     temporary = beside(path, "partial")
     try:
         os.makedirs(temporary)
-    except OSError as error:
-        fail(f"{path} cannot be made ({error.strerror or error}): choose a folder you can write to")
-    try:
         write(temporary)
-        if os.path.isdir(path):
-            os.rmdir(path)  # empty, checked above
-        os.replace(temporary, path)
+        os.replace(temporary, path)  # (rename(2) replaces an empty folder, as path is here, or nothing)
     except BaseException as error:
         shutil.rmtree(temporary, ignore_errors=True)
         if isinstance(error, OSError):
-            fail(f"cannot write {path} ({why_not_written(error)}); nothing half-written is left: "
-                 f"{what_to_do(error, path)}")
+            fail(cannot_write(path, error, path, before="nothing half-written is left. "))
         raise
 
 
@@ -429,20 +406,20 @@ def _private_path():
 
 
 def _not_private(path):
-    """Why the folder at path is not this user's own, or None when it is: a symbolic link, not a folder, another
-    user's, or one others may write in. (lstat: the name itself, no link followed.)"""
+    """(why the entry at path is not this user's own folder, what to do first), or None when it is: another user's
+    (not this user's to remove: /tmp's sticky bit), a symbolic link or not a folder, or one others may write in.
+    (lstat: the name itself, no link followed.)"""
     try:
         info = os.lstat(path)
     except OSError as error:
-        return f"cannot be read ({error.strerror or error})"
-    if stat.S_ISLNK(info.st_mode):
-        return "is a symbolic link"
-    if not stat.S_ISDIR(info.st_mode):
-        return "is not a folder"
+        return f"cannot be read ({error.strerror or error})", ""
     if info.st_uid != os.getuid():
-        return f"belongs to another user (uid {info.st_uid})"
+        return f"belongs to another user (uid {info.st_uid})", ""
+    if not stat.S_ISDIR(info.st_mode):
+        what = "is a symbolic link" if stat.S_ISLNK(info.st_mode) else "is not a folder"
+        return what, f"remove it (rm {path}), or "
     if info.st_mode & 0o022:
-        return f"may be written by other users (mode {stat.S_IMODE(info.st_mode):o})"
+        return f"may be written by other users (mode {stat.S_IMODE(info.st_mode):o})", f"chmod 700 {path}, or "
     return None
 
 
@@ -464,22 +441,10 @@ def check_private_folder():
     """A distributed run's start: where private_folder()'s name is taken by something that is not this user's own
     folder, one line says so, before any rank relies on it."""
     path = _private_path()
-    why = _not_private(path) if os.path.lexists(path) else None
-    if not why:
-        return
-    own = "mkdir -p ~/tmp && export TMPDIR=~/tmp, then run again"
-    try:
-        mine = os.lstat(path).st_uid == os.getuid()
-    except OSError:  # gone meanwhile
-        mine = False
-    if why.startswith("may be written"):  # this user's own folder
-        advice = f"chmod 700 {path}, or {own}"
-    elif mine:  # this user's own link or file
-        advice = f"remove it (rm {path}), or {own}"
-    else:
-        advice = own  # another user's: not this user's to remove (/tmp's sticky bit)
-    fail(f"{path} {why}, where this program keeps this user's records of a run (heartbeats, a mistake for "
-         f"torchrun's restarts): {advice}")
+    found = os.path.lexists(path) and _not_private(path)
+    if found:
+        fail(f"{path} {found[0]}, where this program keeps this user's records of a run (heartbeats, a mistake for "
+             f"torchrun's restarts): {found[1]}mkdir -p ~/tmp && export TMPDIR=~/tmp, then run again")
 
 
 # --- main.py's folders ----------------------------------------------------------------------------------------
@@ -515,10 +480,10 @@ def check_no_run_replaced(args, start):
     if (found and not (args.evaluate or args.overwrite) and start.auto and not start.path
             and _first_epoch_only(args.output_dir, found)):
         start = dataclasses.replace(start, afresh=True)  # the same command starts it again (make_run_outputs)
-    moves = "--overwrite moves" if args.overwrite else "is moved"
     if (replacing(args, start) and args.weights and not start.path
             and any(inside(args.weights, os.path.join(args.output_dir, name)) for name in RUN_FILES)):
-        fail(f"--weights {args.weights} belongs to the run that {moves} aside from {named('--output-dir')} "
+        fail(f"--weights {args.weights} belongs to the run that "
+             f"{'--overwrite moves' if args.overwrite else 'is moved'} aside from {named('--output-dir')} "
              f"{args.output_dir}: fine-tune into another {named('--output-dir')} instead (the run stays as it is)")
     if not found or args.evaluate or args.overwrite or start.afresh or (start.path and names_in(start.path,
                                                                                                   args.output_dir)):
@@ -535,28 +500,22 @@ def check_no_run_replaced(args, start):
 
 def _first_epoch_only(folder, found):
     """Whether the run files in folder (found: their names) are what a first epoch stopped before its checkpoint
-    wrote: best.pth of that epoch, metrics.jsonl with its line alone. Nothing else of a run is there to continue."""
+    wrote: best.pth of that epoch, and metrics.jsonl with that epoch's line alone (twice, where a second write was
+    cut short). Nothing else of a run is there to continue."""
     if not set(found) <= {"best.pth", "metrics.jsonl"}:
         return False
+    metrics = os.path.join(folder, "metrics.jsonl")
     try:
-        with open(os.path.join(folder, "metrics.jsonl"), "rb") as f:
-            lines = f.read().split(b"\n")
-        if lines[-1].startswith(b'{"epoch": '):
-            lines.pop()  # an unended last line that begins a record: a write the stop cut short
-        records = [json.loads(line) for line in lines if line.strip()]
-    except FileNotFoundError:
-        records = []
-    except (OSError, ValueError):
-        return False
-    if len(records) > 1 or any(not isinstance(record, dict) or record.get("epoch") != 0 for record in records):
-        return False
-    if "best.pth" not in found:
-        return True
-    import torch  # (here alone: the other writers of this module need no torch)
-    try:
+        if os.path.exists(metrics):
+            with open(metrics, "rb") as f:
+                if any(line.strip() and not line.startswith(b'{"epoch": 0,') for line in f):
+                    return False
+        if "best.pth" not in found:
+            return True
+        import torch  # (here alone: the other writers of this module need no torch)
         best = torch.load(os.path.join(folder, "best.pth"), map_location="cpu", weights_only=True, mmap=True)
         return best.get("epoch") == 1 and best.get("step") == 0
-    except Exception:  # damaged, or not a checkpoint: a person's to look at
+    except Exception:  # unreadable, damaged, or not a checkpoint: a person's to look at
         return False
 
 
@@ -607,39 +566,30 @@ def remove_leftovers(folder):
 
 def check_run_files(args):
     """Before anything is read in --output-dir, and before any step: every name the run will write there that is
-    there already is what the run writes (a file, a folder), not marked immutable or append-only, and writable
-    where the run writes into it (metrics.jsonl, vis/, tensorboard/). One line names the first that is not and
-    what to do, instead of a failed save after an epoch. What --overwrite moves aside is not checked: it goes."""
+    there already is what the run writes (a file, a folder), not marked immutable or append-only, and a folder
+    this user may write into (vis/, tensorboard/). One line names the first that is not and what to do, instead of
+    a failed save after an epoch. What --overwrite moves aside is not checked: it goes. Every file is replaced
+    whole, never written through a link: a link at its name is no obstacle, and is said."""
     out = args.output_dir
-    explicit = args.resume not in ("", "auto")
-    if not os.path.isdir(out) or (args.overwrite and not args.evaluate and job.env().restarts == 0
-                                  and not (explicit and names_in(args.resume, out))):  # replacing(), said early
+    early = SimpleNamespace(afresh=False, auto=job.env().restarts > 0,
+                            path="" if args.resume == "auto" else args.resume)
+    if not os.path.isdir(out) or replacing(args, early):  # (replacing() before the start is decided)
         return
-    if args.evaluate:
-        writes = EVALUATION_WRITES
-    else:  # training: every name but -e's eval.json
-        writes = [name for name in RUN_FILES if name != "eval.json" and (name != "tensorboard" or args.tensorboard)]
+    writes = EVALUATION_WRITES if args.evaluate else [
+        name for name in RUN_FILES if name != "eval.json" and (name != "tensorboard" or args.tensorboard)]
     for name in writes:
-        wanted = RUN_FILES[name]
-        path = os.path.join(out, name)
+        wanted, path = RUN_FILES[name], os.path.join(out, name)
         found = kind(path)
         if found not in (None, wanted):
             fail(f"{path} is {found}, where the run writes {wanted} of its own: move it away")
-        mark = marked(path) if found == "a file" else None
-        if mark:
-            fail(f"{path} is marked {mark[0]} (lsattr), and the run replaces it: clear the mark, chattr -{mark[1]} "
-                 f"{path}, or move it away")
-        if name == "metrics.jsonl" and os.path.islink(path):  # (the other files are replaced: a link at them goes)
-            fail(f"{path} is a symbolic link (to {os.readlink(path)}), and the run appends to it: move it away, or "
-                 "replace it with a copy of the file it leads to")
-        written_into = name == "metrics.jsonl" or wanted == "a folder"  # appended to, or files made in it
-        if found and written_into and not os.access(path, os.W_OK | (os.X_OK if wanted == "a folder" else 0)):
+        if found == "a file" and marked(path):
+            fail(f"{marked(path)}, or move it away")
+        if found == "a folder" and not os.access(path, os.W_OK | os.X_OK):
             fail(f"{path} cannot be written by this user, and the run writes to it: give this user write "
                  f"permission (ls -ld {path}), or move it away")
-    checkpoint = job.checkpoint_path(out)
-    if not args.evaluate and os.path.islink(checkpoint) and kind(checkpoint) == "a file":
-        log(f"note: {checkpoint} is a symbolic link to {os.path.realpath(checkpoint)}: the run reads it, and its "
-            "next save replaces the link with a file of its own (the file it leads to stays as it is)")
+        if found == "a file" and os.path.islink(path):
+            log(f"note: {path} is a symbolic link to {os.path.realpath(path)}: the run reads it, and its next write "
+                "replaces the link with a file of its own (the file it leads to stays as it is)")
 
 
 # --- one folder, one run ------------------------------------------------------------------------------------------
@@ -667,29 +617,6 @@ def _refuse(flag, folder, args, holder):
                f"{named(flag)}" + (" (-e writes eval.json there)" if eval_json else ""))
 
 
-def _lock(fd, path, folder, args):
-    """flock, not waiting; except for a torchrun restart whose own job's earlier attempt still holds it (its machine
-    lost: a network filesystem frees the lock when the machine's lease runs out), which waits for it up to
-    --dist-timeout, saying so."""
-    run_id, restarted = job.env().run_id, job.env().restarts > 0
-    deadline = time.time() + 60 * getattr(args, "dist_timeout", 5.0)
-    said = False
-    while True:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return
-        except BlockingIOError:
-            holder = _holder(path) or {}
-            if not (restarted and run_id and holder.get("run_id") == run_id) or time.time() > deadline:
-                raise
-            if not said:
-                print(f"note: {folder} is still held by this job's attempt before the restart (host "
-                      f"{holder.get('host')}, process {holder.get('pid')}): waiting for it to be let go, up to "
-                      "--dist-timeout", flush=True)
-                said = True
-            time.sleep(2)
-
-
 def process_stat(pid):
     """The fields of /proc/PID/stat after the process's name (the 3rd field first: its state), or None where /proc
     cannot say (no such process, not Linux). The name, in parentheses, may hold spaces and parentheses itself."""
@@ -698,13 +625,6 @@ def process_stat(pid):
             return f.read().rsplit(")", 1)[1].split()
     except (OSError, IndexError):
         return None
-
-
-def _started(pid):
-    """When the process pid started, in clock ticks since the machine booted (/proc/PID/stat's 22nd field): with the
-    host and the process id, what tells a live holder from a process id used again. None where /proc cannot say."""
-    fields = process_stat(pid)
-    return int(fields[19]) if fields and len(fields) > 19 and fields[19].isdigit() else None
 
 
 def hold_output(args):
@@ -717,139 +637,90 @@ def hold(flag, folder, args):
     whole life, through an advisory lock (flock) on FOLDER/.held, and writes who it is there. Another run that would
     write there is refused in one line naming the holder. The kernel lets go of the lock when its process ends,
     however it ends (a kill -9; on a network filesystem, a lost node after the server's lease), so a dead holder
-    never blocks the next run, which says that it takes over (unless the record is a copy: _taken_over). --check-only
-    only looks (run.sh's preflight refuses before torchrun starts). Held before anything in the folder is read or
-    decided: a folder that does not exist yet is made for it (and removed again, with the parents made for it, when
-    the run lets go of it empty: release_output), so that no other run can begin and end there between this run's
-    checks and its first write."""
+    never blocks the next run, which says that it takes over, where the record is this file's own (its inode: a
+    backup's copy of another folder's record, cp -a, is another file, whose run holds its own folder). --check-only
+    only looks (_held: run.sh's preflight refuses before torchrun starts). Held before anything in the folder is read
+    or decided (_open_and_lock makes it), so that no other run can begin and end there between this run's checks and its
+    first write."""
     place = os.path.realpath(folder)
     if job.env().rank != 0 or any(os.path.realpath(os.path.dirname(p)) == place for _, p, _ in RUN.held):
         return
     path = os.path.join(folder, HOLD)
+    _check_lock_file(path)
     if getattr(args, "check_only", None):
-        _refuse_if_held(flag, folder, args, path)
+        if _held(folder):
+            _refuse(flag, folder, args, _holder(path))
         return
-    while True:
-        made = _make_for_holding(flag, folder)
-        try:
-            fd = _open_and_lock(flag, folder, args, path)
-            break
-        except FileNotFoundError:  # a run that had made the folder let go of it empty, and removed it, meanwhile
-            continue
+    fd, made = _open_and_lock(flag, folder, args, path)
     if fd is None:
         return  # a filesystem without locks: said
-    _taken_over(folder, _holder(path))
-    record = {"host": socket.gethostname(), "pid": os.getpid(), "started": _started(os.getpid()),
-              "since": time.strftime("%Y-%m-%d %H:%M:%S"), "run_id": job.env().run_id}
+    before, run_id = _holder(path), job.env().run_id
+    # (a torchrun restart of this job takes its own back without a word)
+    if before and before.get("file") == os.fstat(fd).st_ino and not (run_id and before.get("run_id") == run_id):
+        print(f"note: {folder} was held by host {before.get('host')}, process {before.get('pid')} (since "
+              f"{before.get('since')}), which ended without letting go (killed, or its machine lost): taken over",
+              flush=True)
+    record = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.strftime("%Y-%m-%d %H:%M:%S"),
+              "run_id": run_id, "file": os.fstat(fd).st_ino}
     RUN.held.append((fd, path, made))  # held: let go at the end (release_output), also if the line below fails
-    try:
+    try:  # into the locked file itself (the lock is its own): not a new file renamed over it
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps(record).encode(), 0)
     except OSError as error:
-        fail(f"{named(flag)} {folder} cannot be written ({why_not_written(error)}): {what_to_do(error, path)}")
-
-
-def _taken_over(folder, before):
-    """Say what the record of a holder that no longer holds the folder was: a run killed (or its machine lost), or,
-    where its process lives on, on this host, started when the record says, a copy of another folder's record (a
-    backup, cp -a, taken while a run held it): that run holds its own folder, and is not called killed."""
-    run_id = job.env().run_id
-    if not before or (run_id and before.get("run_id") == run_id):  # (a torchrun restart of this job: its own)
-        return
-    pid = before.get("pid")
-    alive = (before.get("host") == socket.gethostname() and isinstance(pid, int) and pid > 0
-             and before.get("started") is not None and _started(pid) == before.get("started"))
-    if alive:
-        return  # a copy: nothing of this folder's to say
-    print(f"note: {folder} was held by host {before.get('host')}, process {pid} (since {before.get('since')}), "
-          "which ended without letting go (killed, or its machine lost): taken over", flush=True)
-
-
-def _make_for_holding(flag, folder):
-    """The folder made with its missing parents, one level at a time. -> the levels this process made, deepest
-    first (a level another process made meanwhile is not this run's)."""
-    missing = []
-    place = os.path.abspath(folder)
-    while not os.path.exists(place):
-        missing.append(place)
-        place = os.path.dirname(place)
-    made = []
-    try:
-        for level in reversed(missing):
-            try:
-                os.mkdir(level)
-                made.insert(0, level)
-            except FileExistsError:
-                pass
-    except OSError as error:
-        fail(f"{named(flag)} {folder} cannot be made ({why_not_written(error)}): "
-             f"{what_to_do(error, folder)}, or choose another folder")
-    return made
+        fail(cannot_write(f"{named(flag)} {folder}", error, path))
 
 
 def _check_lock_file(path):
     """The lock file's name holds a file or nothing: anything else there is named, a symbolic link too (the lock
     record would be written into the file it leads to)."""
-    if os.path.islink(path):
-        fail(f"{path} is a symbolic link (to {os.readlink(path)}), where this program keeps its lock file (one folder, "
-             "one run): remove the link, then run again")
-    found = kind(path)
+    found = f"a symbolic link (to {os.readlink(path)})" if os.path.islink(path) else kind(path)
     if found not in (None, "a file"):
         fail(f"{path} is {found}, where this program keeps its lock file (one folder, one run): remove it, then run "
              "again")
 
 
-def _refuse_if_held(flag, folder, args, path):
-    """--check-only: another run that holds the lock file at path is refused, found by a probe's lock, which ends
-    with its descriptor. Nothing is written to find out."""
-    _check_lock_file(path)
-    try:
-        fd = os.open(path, os.O_RDWR if os.access(path, os.W_OK) else os.O_RDONLY)
-    except OSError:
-        return  # no lock file: no holder
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        _refuse(flag, folder, args, _holder(path))
-    except OSError:
-        pass  # no locks on this filesystem: the run says so when it starts
-    finally:
-        os.close(fd)
-
-
 def _open_and_lock(flag, folder, args, path):
-    """The lock file at path, made when missing, opened and locked (_lock). -> its descriptor, or None on a
-    filesystem without locks (said). Another run's lock refuses this run (Held)."""
+    """The folder made with its missing parents (make_folder), and its lock file at path, made when missing, opened
+    and locked, not waiting: another run's lock refuses this run (Held). But a torchrun restart whose own job's
+    attempt before still holds it (its machine lost: a network filesystem lets go when the machine's lease runs out)
+    waits for it up to --dist-timeout, saying so. -> (descriptor, or None on a filesystem without locks (said); the
+    folders made for it, deepest first, which release_output removes when the run lets go of them empty)."""
+    deadline, said, made = time.time() + 60 * getattr(args, "dist_timeout", 5.0), False, []
     while True:
-        _check_lock_file(path)
+        made = [place for place in above(folder) if not os.path.exists(place)] or made
+        make_folder(flag, folder)
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)  # (a link made meanwhile: ELOOP)
-        except FileNotFoundError:
-            raise  # the folder is gone: hold_output makes it again
+        except FileNotFoundError:  # a run that had made the folder let go of it empty, and removed it, meanwhile
+            continue
         except OSError as error:
-            fail(f"{named(flag)} {folder} cannot be written ({why_not_written(error)}): "
-                 f"{what_to_do(error, path)}, or choose another folder")
+            fail(cannot_write(f"{named(flag)} {folder}", error, path, after=", or choose another folder"))
         try:
-            _lock(fd, path, folder, args)
-        except BlockingIOError:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as error:
             os.close(fd)
-            _refuse(flag, folder, args, _holder(path))
-        except OSError as error:  # a filesystem without locks (Lustre mounted with noflock, some FUSE ones)
-            os.close(fd)
-            print(f"note: {folder} cannot be locked ({error.strerror or error}): nothing keeps another run "
-                  "from writing there at the same time (docs/troubleshooting.md, one folder, one run)", flush=True)
-            return None
-        # The holder before removes the file as it lets go: this one must be the file the path names now.
-        try:
-            if os.fstat(fd).st_ino == os.stat(path).st_ino:
-                return fd
-        except FileNotFoundError:
-            pass
+            if not isinstance(error, BlockingIOError):  # no locks here (Lustre mounted with noflock, some FUSE ones)
+                print(f"note: {folder} cannot be locked ({error.strerror or error}): nothing keeps another run "
+                      "from writing there at the same time (docs/troubleshooting.md, one folder, one run)", flush=True)
+                return None, made
+            holder, run_id = _holder(path) or {}, job.env().run_id
+            if not (job.env().restarts and run_id and holder.get("run_id") == run_id) or time.time() > deadline:
+                _refuse(flag, folder, args, holder)
+            if not said:
+                print(f"note: {folder} is still held by this job's attempt before the restart (host "
+                      f"{holder.get('host')}, process {holder.get('pid')}): waiting for it to be let go, up to "
+                      "--dist-timeout", flush=True)
+                said = True
+            time.sleep(2)
+            continue
+        if os.fstat(fd).st_nlink:  # not the file of a holder that removed it as it let go, meanwhile
+            return fd, made
         os.close(fd)
 
 
 def _held(folder):
-    """Whether a live run holds folder: its lock file is there and locked (a probe's lock ends with its descriptor)."""
+    """Whether a live run holds folder: its lock file is there and locked (a probe's lock ends with its descriptor).
+    Nothing is written to find out."""
     try:
         fd = os.open(os.path.join(folder, HOLD), os.O_RDONLY)
     except OSError:
@@ -860,7 +731,7 @@ def _held(folder):
     except BlockingIOError:
         return True
     except OSError:
-        return False  # no locks on this filesystem: nothing to tell
+        return False  # no locks on this filesystem: nothing to tell (the run says so when it starts)
     finally:
         os.close(fd)
 
@@ -868,16 +739,12 @@ def _held(folder):
 def check_not_held(flag, path):
     """predict.py: path is neither a folder a run holds (training, or -e) nor inside one (its pictures would land
     among that run's files as it writes them)."""
-    place = os.path.abspath(path)
-    while True:
+    for place in above(path):
         if _held(place):
             holder = _holder(os.path.join(place, HOLD)) or {}
             where = "is" if place == os.path.abspath(path) else f"is inside {place}, which is"
             fail(f"{flag} {path} {where} in use by another run (host {holder.get('host')}, process "
                  f"{holder.get('pid')}): give another {flag}, or wait for that run to end")
-        if os.path.dirname(place) == place:
-            return
-        place = os.path.dirname(place)
 
 
 def forget_hold():

@@ -16,6 +16,7 @@ import contextlib
 import json
 import math
 import os
+import pathlib
 from datetime import timedelta
 
 import torch
@@ -31,37 +32,40 @@ from .job import RUN, is_main_process, log, named
 def open_tensorboard(args, first_iteration):
     """Rank 0's TensorBoard writer with --tensorboard, which makes OUTPUT_DIR/tensorboard/ and its first file.
     purge_step: TensorBoard drops what a stopped run drew from that iteration on, so that a resumed run draws no
-    stretch twice."""
-    RUN.records.writer = None
-    RUN.records.estimated = False
+    stretch twice. (The writer before it, with the rest of RUN.records, is gone: job.begin_run.)"""
     if not (args.tensorboard and is_main_process()):
         return
     from torch.utils.tensorboard import SummaryWriter  # optional: the preflight found it installed
     try:
         RUN.records.writer = SummaryWriter(os.path.join(args.output_dir, "tensorboard"), purge_step=first_iteration)
     except OSError as error:
-        fail(f"cannot write TensorBoard's files in {args.output_dir} ({error})", this_rank=True)
+        fail(paths.cannot_write(f"TensorBoard's files in {args.output_dir}", error,
+                                os.path.join(args.output_dir, "tensorboard")), this_rank=True)
 
 
 def draw(iteration, loss, lr, images_per_s):
-    """The training curves' points into TensorBoard's files (with --tensorboard), at the iteration (continued on
-    resume). A write that fails (a full disk) says so once and draws no more: the epoch's checkpoint then stops the
-    run with one line."""
+    """main.py's progress lines' numbers, as TensorBoard's training curves (_draw)."""
+    _draw(iteration, [("train/loss", loss), ("train/lr", lr), ("train/images_per_s", images_per_s)])
+
+
+def _draw(iteration, points, picture=None):
+    """Points (name, value) into TensorBoard's files (with --tensorboard), at the iteration (continued on resume), a
+    value that is None or NaN left out (a class absent from val has no IoU); and a picture. A write that fails (a full
+    disk) says so once and draws no more: the curves are not the run's, and the run goes on (its checkpoint says
+    whether the disk is full for it too)."""
     writer = RUN.records.writer
     if writer is None:
         return
     try:
-        for name, value in (("train/loss", loss), ("train/lr", lr), ("train/images_per_s", images_per_s)):
-            writer.add_scalar(name, value, iteration)
+        for name, value in points:
+            if value is not None and not math.isnan(value):
+                writer.add_scalar(name, value, iteration)
+        if picture is not None:
+            writer.add_image("val/image_truth_prediction", picture.numpy(), iteration, dataformats="HWC")
+            writer.flush()
     except OSError as error:
-        _tensorboard_failed(error)
-
-
-def _tensorboard_failed(error):
-    """A write of TensorBoard's that failed (a full disk): said once, and no more curves; the run goes on (its
-    checkpoint says whether the disk is full for it too)."""
-    log(f"warning: TensorBoard cannot write ({error}): no curves for the rest of this run")
-    RUN.records.writer = None
+        log(f"warning: TensorBoard cannot write ({error}): no curves for the rest of this run")
+        RUN.records.writer = None
 
 
 def close_tensorboard():
@@ -124,28 +128,24 @@ def write_epoch(args, epoch, steps_per_epoch, stats, train_loss, evaluation, sam
               "train_img_per_s": stats.images_per_s, "data_wait_fraction": stats.data_wait,
               "epoch_time_s": stats.seconds + evaluation.seconds, "eval_time_s": evaluation.seconds,
               "world_size": job.get_world_size(), "peak_memory_gib": stats.peak_memory_gib}
+    out = args.output_dir
+    metrics = os.path.join(out, "metrics.jsonl")
     try:
         if is_best:
-            paths.write_atomically(os.path.join(args.output_dir, "best.pth"),
-                                   lambda f: torch.save(checkpoints.stamped(state), f))
-        drawn = save_picture(os.path.join(args.output_dir, "vis", f"epoch_{epoch:03d}.png"), sample,
-                             state["classes"]["colors"])
-        metrics = os.path.join(args.output_dir, "metrics.jsonl")
-        unended = _last_line_unended(metrics)  # a note a user appended without a newline: the record starts below it
-        # O_NOFOLLOW: never appended through a symbolic link (check_run_files named one before the first step).
-        with os.fdopen(os.open(metrics, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o666), "a") as f:
-            f.write(("\n" if unended else "") + json.dumps(record) + "\n")
+            paths.write_atomically(os.path.join(out, "best.pth"), lambda f: torch.save(checkpoints.stamped(state), f))
+        drawn = save_picture(os.path.join(out, "vis", f"epoch_{epoch:03d}.png"), sample, state["classes"]["colors"])
+        # Written whole, as every file is, never through a link left there: its lines, then the record (on a line of
+        # its own below a note a user appended without a newline).
+        lines = pathlib.Path(metrics).read_bytes().splitlines() if os.path.exists(metrics) else []
+        paths.write_atomically(metrics, b"\n".join(lines + [json.dumps(record).encode()]) + b"\n")
     except (OSError, RuntimeError) as error:  # torch.save says a failed write as a RuntimeError
         if not hasattr(error, "free_mib"):
-            paths.note_free_space(error, os.path.join(args.output_dir, "metrics.jsonl"))
-        stops.write_failed(f"cannot write in {args.output_dir} ({paths.why_not_written(error)}): "
-                           + _then(args, error))  # every rank stops at the epoch's end, together
+            paths.note_free_space(error, metrics)
+        # every rank stops at the epoch's end, together
+        stops.write_failed(paths.cannot_write(f"in {out}", error, metrics, checkpoint=job.checkpoint_path(out)))
         return
-    if RUN.records.writer is not None:  # the curves are not the run's: a write that fails costs them alone
-        try:
-            _draw_epoch(record, drawn)
-        except OSError as error:
-            _tensorboard_failed(error)
+    _draw(iteration, [("val/mIoU", evaluation.miou), ("train/epoch_loss", train_loss),
+                      *((f"val_IoU/{name}", value) for name, value in record["iou"].items())], drawn)
     if stats.data_wait > 0.05:
         log(f"note: the training loop waited {stats.data_wait:.0%} of its time for data: raise -j if the machine has "
             "the cores" + ("" if args.cache_dir else ", or decode once with --cache-dir"))
@@ -153,42 +153,9 @@ def write_epoch(args, epoch, steps_per_epoch, stats, train_loss, evaluation, sam
     if not RUN.records.estimated and left and stats.steps:  # after the run's first epoch that trained a step, so
         # that nobody wonders whether it hangs
         RUN.records.estimated = True
-        training = stats.seconds * steps_per_epoch / max(stats.steps, 1)  # a whole epoch's, also when it resumed
+        training = stats.seconds * steps_per_epoch / stats.steps  # a whole epoch's, also when it resumed
         estimate = (training + evaluation.seconds) * left
         log(f"the other {left} epoch(s) will take about {timedelta(seconds=round(estimate))}")
-
-
-def _then(args, error):
-    """What to do after a write of the epoch's files failed, which costs the epoch (no checkpoint after them): what
-    the error's errno asks (paths.what_to_do), then resume from the last checkpoint; without one, start again, what
-    the epoch wrote put aside (--overwrite), since a run's files without its checkpoint are a run the same command
-    would refuse to replace."""
-    advice = paths.what_to_do(error, os.path.join(args.output_dir, "metrics.jsonl"))
-    if os.path.isfile(job.checkpoint_path(args.output_dir)):
-        return f"{advice}, then to resume, {job.resume_advice()}"
-    again = "./run.sh --overwrite" if named("--output-dir") == "OUTPUT_DIR" else "the same command with --overwrite"
-    advice = advice[:1].upper() + advice[1:]
-    return f"no checkpoint was kept. {advice}, then start again: {again} (what this epoch wrote is put aside)"
-
-
-def _last_line_unended(path):
-    """Whether the file at path ends in a line without its newline (none there, or empty: no)."""
-    if not os.path.isfile(path) or os.path.getsize(path) == 0:
-        return False
-    with open(path, "rb") as f:
-        f.seek(-1, os.SEEK_END)
-        return f.read(1) != b"\n"
-
-
-def _draw_epoch(record, picture):
-    """The epoch's points, at the iteration it ends on (the step curves' x-axis), and its picture."""
-    writer, iteration = RUN.records.writer, record["iteration"]
-    for name, value in [("val/mIoU", record["miou"]), ("train/epoch_loss", record["train_loss"]),
-                        *((f"val_IoU/{name}", value) for name, value in record["iou"].items())]:
-        if value is not None and not math.isnan(value):  # a class absent from val has no IoU
-            writer.add_scalar(name, value, iteration)
-    writer.add_image("val/image_truth_prediction", picture.numpy(), iteration, dataformats="HWC")
-    writer.flush()
 
 
 def write_eval(args, evaluation, sample, classes, num_images):
@@ -216,8 +183,8 @@ def write_eval(args, evaluation, sample, classes, num_images):
         paths.write_atomically(path, (json.dumps(result, indent=1) + "\n").encode())  # last: replaced whole, or not
     except OSError as error:
         as_it_was = "eval.json is as it was" if os.path.isfile(path) else "no eval.json was written"
-        fail(f"cannot write in {args.output_dir} ({paths.why_not_written(error)}): {as_it_was}; "
-             f"{paths.what_to_do(error, path)}, or give -e another {named('--output-dir')}", this_rank=True)
+        fail(paths.cannot_write(f"in {args.output_dir}", error, path, f"{as_it_was}; ",
+                                f", or give -e another {named('--output-dir')}"), this_rank=True)
     lost = RUN.records.lost_predictions
     written = f" and predictions to {args.save_predictions}" if args.save_predictions and not lost else ""
     log(f"wrote {path}{written}" + earlier)
@@ -255,17 +222,13 @@ def check_predictions_folder(args, val_set):
     folder = args.save_predictions
     if folder is None:
         return
-    place = os.path.realpath(folder)
-    while True:
+    for place in paths.above(os.path.realpath(folder)):
         found = [name for name in ("classes.json", "leftImg8bit") if os.path.exists(os.path.join(place, name))]
         if found:
             where = "is" if place == os.path.realpath(folder) else "is inside"
             fail(f"--save-predictions {folder} {where} the data set {place} (it holds {found[0]}): predictions would "
                  "land among its files, and a data set's masks are its ground truth; give a folder outside every "
                  "data set")
-        if os.path.dirname(place) == place:
-            break
-        place = os.path.dirname(place)
     if not hasattr(val_set, "prediction_path"):
         return
     there = [path for path in (val_set.prediction_path(index, folder) for index in range(len(val_set)))
@@ -280,7 +243,6 @@ def watch_predictions(val_set):
     full disk) instead of raising it out of the evaluation: the evaluation finishes, the epoch is saved (or -e's
     eval.json written), and say_lost_predictions then ends the run in one line. After a first failure the rest are
     counted, not tried; a file half written is removed."""
-    RUN.records.lost_predictions = None
     save = val_set.save_prediction
 
     def save_or_note(index, prediction, folder):
@@ -307,13 +269,13 @@ def say_lost_predictions(args):
         return
     error, count = lost
     folder = args.save_predictions
-    advice = paths.what_to_do(error, folder)  # from the errno: a full disk, permissions, the file-size limit...
     if args.evaluate:
-        then = f"the evaluation is in eval.json; {advice}, then run the same command again"
+        before, after = "the evaluation is in eval.json; ", ", then run the same command again"
     else:
         checkpoint = job.checkpoint_path(args.output_dir)
         again = (f"./run.sh -e --resume {checkpoint} --save-predictions {folder}" if job.env().under_run_sh else
                  f"-e --resume {checkpoint} --data {args.data} --output-dir {args.output_dir} --save-predictions "
                  f"{folder}")
-        then = f"the last epoch's checkpoint, {checkpoint}, is kept; {advice}, then write them from it: {again}"
-    fail(f"cannot write {count} prediction(s) in {folder} ({paths.why_not_written(error)}): {then}", this_rank=True)
+        before, after = f"the last epoch's checkpoint, {checkpoint}, is kept; ", f", then write them from it: {again}"
+    # The advice from the errno: a full disk, permissions, the file-size limit...
+    fail(paths.cannot_write(f"{count} prediction(s) in {folder}", error, folder, before, after), this_rank=True)

@@ -252,8 +252,7 @@ def _chattr(flag, path):
     ("vis", lambda path: open(path, "w").close(), "is a file, where the run writes a folder of its own: move it away"),
     ("checkpoint.pth", os.mkdir, "is a folder, where the run writes a file of its own: move it away"),
     ("checkpoint.pth", os.mkfifo, "is a named pipe (FIFO), where the run writes a file of its own: move it away"),
-    ("checkpoint.prev.pth", lambda path: _chattr("+i", path), "is marked immutable (lsattr), and the run replaces it: "
-                                                            "clear the mark, chattr -i "),
+    ("checkpoint.prev.pth", lambda path: _chattr("+i", path), "is marked immutable (lsattr): clear it with chattr -i "),
     (".held", os.mkdir, "is a folder, where this program keeps its lock file (one folder, one run): remove it, then "
                         "run again"),
 ])
@@ -291,31 +290,28 @@ def test_what_stands_where_the_run_writes_is_named_before_any_step(name, make, e
 
 
 def test_no_write_follows_a_link_left_where_the_run_writes(tiny_data, trained, tmp_path, monkeypatch, capsys):
-    """A shared run folder, or a restored backup, may hold symbolic links at the names a run writes. The lock record
-    and metrics.jsonl, which the run writes into, are named before any step; the files it replaces (an epoch's picture,
-    the checkpoint's temporary file) are made anew or refused, never written through. The file the links lead to stays
-    as it was."""
+    """A shared run folder, or a restored backup, may hold symbolic links at the names a run writes. The lock record,
+    which the run writes into, is named before any step; the files it replaces (an epoch's picture, metrics.jsonl,
+    the checkpoint's temporary file) are made anew or refused, never written through. The file the links lead to
+    stays as it was."""
     out = tmp_path / "out"
     shutil.copytree(trained, out)
     notes = tmp_path / "notes.txt"
     notes.write_text("a user's own notes")
     common = ["--data", tiny_data, "--output-dir", str(out), *TRAIN_ARGS, "--epochs", "2", "--resume", "auto"]
-    for name, then in ((".held", "where this program keeps its lock file (one folder, one run): remove the link, "
-                                 "then run again"),
-                       ("metrics.jsonl", "and the run appends to it: move it away, or replace it with a copy of the "
-                                         "file it leads to")):
-        link = out / name
-        if link.exists():
-            os.rename(link, tmp_path / "kept")
-        os.symlink(notes, link)
-        assert main_fails(common, capsys) == f"main.py: error: {link} is a symbolic link (to {notes}), {then}"
-        os.remove(link)
-        if (tmp_path / "kept").exists():
-            os.rename(tmp_path / "kept", link)
+    link = out / ".held"
+    os.symlink(notes, link)
+    assert main_fails(common, capsys) == (f"main.py: error: {link} is a symbolic link (to {notes}), where this program "
+                                          "keeps its lock file (one folder, one run): remove it, then run again")
+    os.remove(link)
     os.symlink(notes, out / "vis" / "epoch_001.png")
+    os.replace(out / "metrics.jsonl", tmp_path / "metrics.jsonl")  # the run's lines, kept elsewhere and linked to
+    lines = (tmp_path / "metrics.jsonl").read_bytes()
+    os.symlink(tmp_path / "metrics.jsonl", out / "metrics.jsonl")
     run_main(common)
     assert "done: best mIoU" in capsys.readouterr().out
-    assert notes.read_text() == "a user's own notes"
+    assert notes.read_text() == "a user's own notes" and (tmp_path / "metrics.jsonl").read_bytes() == lines
+    assert not os.path.islink(out / "metrics.jsonl") and (out / "metrics.jsonl").read_bytes().startswith(lines)
     from PIL import Image
     picture = out / "vis" / "epoch_001.png"
     assert not os.path.islink(picture) and Image.open(picture).format == "PNG"
@@ -363,9 +359,8 @@ def test_saves_work_where_the_filesystem_makes_no_hard_links_and_a_name_it_refus
     monkeypatch.setattr(os, "mkdir", vfat_mkdir)
     named = tmp_path / "run:1"
     line = main_fails(["--data", tiny_data, "--output-dir", str(named), *TRAIN_ARGS], capsys)
-    assert line == (f"main.py: error: --output-dir {named} cannot be made (Invalid argument): its filesystem refuses "
-                    "the name run:1 (FAT, exFAT and SMB allow none of \\ : * ? \" < > | in a name): choose another "
-                    "name, or choose another folder"), line
+    assert line == (f"main.py: error: cannot write --output-dir {named} (Invalid argument): its filesystem refuses "
+                    "the name run:1: choose another name, or choose another folder"), line
     # A ':' in a folder this user may not write, on a filesystem that takes it: a permission, as it is.
     monkeypatch.setattr(os, "access", lambda *args, **kwargs: False)  # (root may write anywhere: this user may not)
     advice = paths.what_to_do(OSError(errno.EACCES, "Permission denied", str(named)), str(named))
@@ -408,14 +403,17 @@ def test_predict_s_output_dir_and_save_predictions_are_held_while_written(tiny_d
 
 def test_a_lock_record_copied_with_its_folder_is_not_taken_for_a_killed_run(tiny_data, trained, tmp_path, capsys):
     """A backup (cp -a) of a folder a run holds copies its .held, whose record names a live process of this host.
-    The copy's next run takes it over without calling that process killed; a record whose process id now belongs to
-    a process started later (a process id used again) is a killed run's, and said so."""
+    The copy's next run takes it over without calling that process killed: the record names another file (its
+    inode); a record written into this very file is a killed run's, and said so, though its process id now names
+    a live process (a process id used again)."""
     import socket
-    for started, said in ((paths._started(os.getpid()), False), (1, True)):
+    for said in (False, True):
         out = tmp_path / f"copy-{said}"
         shutil.copytree(trained, out)
+        (out / paths.HOLD).touch()
+        inode = (out / paths.HOLD).stat().st_ino + (0 if said else 1)
         (out / paths.HOLD).write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
-                                                  "started": started, "since": "2026-12-01 10:00:00"}))
+                                                  "since": "2026-12-01 10:00:00", "file": inode}))
         output = run_main([*TRAIN_ARGS, "--data", tiny_data, "--output-dir", str(out), "-e", "--resume",
                            str(out / "best.pth")], capsys)  # (-e holds it too)
         assert ("which ended without letting go" in output) == said and "mIoU" in output, output
