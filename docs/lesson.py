@@ -61,6 +61,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Subset
 from torch.utils.data.distributed import DistributedSampler
 
+sys.path.insert(0, os.path.dirname(os.path.realpath(__file__)))  # models.py and dataset.py under python -I too
 from dataset import open_dataset
 from models import MODEL_NAMES, build_model
 

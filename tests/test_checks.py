@@ -86,9 +86,6 @@ def _given(program, flag, numbers, tmp_path, monkeypatch, capsys):
     try:
         if program in ("main.py", "predict.py"):
             run_main(argv, program=PROGRAMS[program])
-        elif program == "bench.py":
-            import bench
-            bench.cli(argv)
         else:  # run as files, as their docs run them: their checks are in their `if __name__ == "__main__"` block
             monkeypatch.setattr(sys, "argv", [program, *argv])
             runpy.run_path(os.path.join(ROOT, program), run_name="__main__")

@@ -447,7 +447,7 @@ def test_a_data_folder_that_cannot_be_listed_is_named_in_one_line(layout, folder
             patch.setattr(os, name, refuse)
         line = main_fails(argv, capsys)
     assert line == (f"main.py: error: {unreadable} cannot be listed (Permission denied): give the user that runs "
-                    f"training permission to read it and the folders in it (ls -ld {unreadable}: its owner and mode)")
+                    f"the program permission to read it and the folders in it (ls -ld {unreadable}: its owner and mode)")
     os.chmod(unreadable, 0o755)  # the advice followed (as root: the refusal taken away with the patch)
     run_main(argv)  # --check-only: every check passes
     assert "error" not in capsys.readouterr().err

@@ -75,7 +75,7 @@ def leftovers(source):
                     and not symbol.is_parameter():
                 problems.append(f"{name} is assigned in {table.get_name()}() and never read")
             if symbol.is_referenced() and (symbol.is_global() or not function) and name not in defined \
-                    and not hasattr(builtins, name):
+                    and not hasattr(builtins, name) and name != "__file__":  # (what every module is given)
                 problems.append(f"{name} is used in {table.get_name()} and defined nowhere")
         for child in table.get_children():
             visit(child)
