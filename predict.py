@@ -210,9 +210,8 @@ def export_model(model, path, replacing=False):
     try:
         paths.write_atomically(path, data)
     except (OSError, RuntimeError) as error:  # torch's writers report a failed write as a RuntimeError too
-        as_it_was = "the earlier export there is as it was" if replacing else "nothing was written"
-        fail(f"cannot write --export {path} ({paths.why_not_written(error)}): {as_it_was}; "
-             f"{paths.what_to_do(error, path)}")
+        as_it_was = "the earlier export there is as it was. " if replacing else "nothing was written. "
+        fail(paths.cannot_write(f"--export {path}", error, path, before=as_it_was))
     print(f"wrote {path}: images float32 (N, 3, H, W), ImageNet-normalised -> logits float32 (N, classes, H, W)"
           + (" (the earlier export there is replaced)" if replacing else ""))
 
@@ -304,8 +303,7 @@ class Writer:
             write.result()
         except OSError as error:
             self.threads.shutdown(wait=False, cancel_futures=True)
-            fail(f"cannot write in --output-dir {self.output_dir} ({paths.why_not_written(error)}): "
-                 f"{paths.what_to_do(error, self.output_dir)}", this_rank=True)
+            fail(paths.cannot_write(f"in --output-dir {self.output_dir}", error, self.output_dir), this_rank=True)
 
 
 def report_progress(done, unreadable, total, start):

@@ -603,22 +603,9 @@ def keeping_previous(save):
             paths.note_free_space(error, path)
             if os.path.isfile(keep):
                 os.remove(keep)
-            stops.write_failed(_cannot_write(path, error))
+            stops.write_failed(paths.cannot_write(getattr(error, "filename2", None) or path, error, path,
+                                                  checkpoint=path))  # (filename2: the rename onto .prev.pth, say)
     return save_keeping_the_previous
-
-
-def _cannot_write(path, error):
-    """The line for a checkpoint that could not be written: what, why (the space left, for a full disk), and what
-    to do, from the error's errno (paths.what_to_do)."""
-    # Without a checkpoint, what the epoch wrote before it (its metrics line, best.pth) is a run of its own that the
-    # same command would refuse to replace: --overwrite puts it aside.
-    again = "./run.sh --overwrite" if named("--output-dir") == "OUTPUT_DIR" else "the same command with --overwrite"
-    target = getattr(error, "filename2", None) or path  # the rename of the one before onto checkpoint.prev.pth, say
-    advice = paths.what_to_do(error, path)
-    advice = advice[:1].upper() + advice[1:]
-    then = (f"{path} is the last one written. {advice}; then, to resume, {job.resume_advice()}" if os.path.isfile(path)
-            else f"no checkpoint was kept. {advice}, then start again: {again} (what this epoch wrote is put aside)")
-    return f"cannot write {target} ({paths.why_not_written(error)}): {then}"
 
 
 # --- predict.py -------------------------------------------------------------------------------------------------
