@@ -447,17 +447,19 @@ HEARTBEAT_S = 2.0
 
 
 def start_heartbeat(minutes, after_s=5.0, every_s=60.0):
-    """Before init_process_group, on every rank: a thread that, while the process group forms, says after after_s
-    seconds and then every every_s what this process waits for, where, and when it gives up (rank 0 and each node's
-    first process); and once the group exists writes, every HEARTBEAT_S, (its process, the time, steps done) into a
-    file of its own in a folder every rank of this node reads (_peers_folder), and into the store the group met at
-    while some rank has no file here (another node). A rank's process is then known dead or stopped by the peers of
-    its node whatever became of the store (run.sh's ranks meet at a store that rank 0's process serves); from
-    another node, a rank that is stopped, killed or cut off falls silent, one stuck in its own work falls behind.
-    When a collective fails, describe_peers() reads these to name the rank. stop_heartbeat() ends it."""
+    """Before init_process_group, on every rank: GLOO_SOCKET_IFNAME checked (_check_gloo_interfaces); then a thread
+    that, while the process group forms, says after after_s seconds and then every every_s what this process waits
+    for, where, and when it gives up (rank 0 and each node's first process); and once the group exists writes, every
+    HEARTBEAT_S, (its process, the time, steps done) into a file of its own in a folder every rank of this node reads
+    (_peers_folder), and into the store the group met at while some rank has no file here (another node). A rank's
+    process is then known dead or stopped by the peers of its node whatever became of the store (run.sh's ranks meet
+    at a store that rank 0's process serves); from another node, a rank that is stopped, killed or cut off falls
+    silent, one stuck in its own work falls behind. When a collective fails, describe_peers() reads these to name the
+    rank. stop_heartbeat() ends it."""
     env, stopping, since = job.env(), threading.Event(), time.time()
     gives_up = time.strftime("%H:%M:%S", time.localtime(since + minutes * 60))
     RUN.guard.waiting_since = since
+    _check_gloo_interfaces()
     beat = {"group": None}  # this process group's name in the files' names, which the ranks agree on in its store
 
     def run():
@@ -491,6 +493,20 @@ def start_heartbeat(minutes, after_s=5.0, every_s=60.0):
     thread = threading.Thread(target=run, daemon=True, name="peers")
     thread.start()
     RUN.guard.heartbeat = (thread, stopping, beat)
+
+
+def _check_gloo_interfaces():
+    """GLOO_SOCKET_IFNAME as torch 2.14 reads it for a gloo group (test_forming tries each case on torch): a value of
+    two characters or more, split at commas (an empty last piece left out), each piece an interface of this machine;
+    else init_process_group ends in gloo's traceback on every rank. Said by each node's first rank, before any wait;
+    torchrun's restarts end quietly on its record (_exit_or_clear_stop_record)."""
+    value, here = os.environ.get("GLOO_SOCKET_IFNAME", ""), [name for _, name in socket.if_nameindex()]
+    wrong = [name for name in value.removesuffix(",").split(",") if name not in here]
+    backend = getattr(RUN.guard.args, "dist_backend", None) or ("nccl" if torch.cuda.is_available() else "gloo")
+    if len(value) > 1 and wrong and (RUN.guard.program != "main.py" or backend == "gloo"):  # (predict.py: gloo)
+        raise UserError(f"GLOO_SOCKET_IFNAME={value!r} names {wrong[0]!r}, no network interface of this machine (it "
+                        f"has {', '.join(here)}): set it to the one the ranks reach each other through (a "
+                        "comma-separated list for several), or unset it", this_rank=job.env().local_rank == 0)
 
 
 def stop_heartbeat():
