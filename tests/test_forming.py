@@ -5,13 +5,14 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from datetime import timedelta
 
 import pytest
 import torch.distributed as dist
 
 from harness import errors, job, recovery
-from conftest import ROOT, TRAIN_ARGS, cpu_env, free_port
+from conftest import ROOT, SLOW_ARGS, TRAIN_ARGS, cpu_env, fork_main, free_port, metrics, wait_in_file
 
 PY = sys.executable
 
@@ -76,3 +77,64 @@ def test_an_interface_that_is_not_here_is_said_once_before_any_wait_and_not_rest
                            f"through (a comma-separated list for several), or unset it"], output
     assert "Unable to find address" not in output and "waiting" not in output, output
     _no_traceback_but_torchrun_s(output)
+
+
+@pytest.mark.long
+def test_a_store_that_outlives_an_attempt_does_not_lead_a_rank_to_an_earlier_address(tiny_data, tmp_path):
+    """torchrun's agent serves the store the ranks meet at (TORCHELASTIC_USE_AGENT_STORE=True), one for all the
+    job's attempts: what the ranks of an attempt wrote there stays. Here a store of this process plays the agent's,
+    two attempts of two forked ranks meet at it, and in the second rank 1 starts 3 s before rank 0. Without a store
+    of the attempt's own, rank 1 read the first attempt's address of rank 0 and ended in gloo's "Connection refused"
+    traceback; now both attempts train and end."""
+    agent = dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False)
+    for attempt, first in enumerate((0, 1)):
+        environment = {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": str(agent.port), "TORCHELASTIC_USE_AGENT_STORE": "True",
+                       "TORCHELASTIC_RESTART_COUNT": str(attempt), "TORCHELASTIC_RUN_ID": f"test-{os.getpid()}"}
+        argv = ["--data", tiny_data, "--output-dir", str(tmp_path / f"out{attempt}"), "--epochs", "1", *TRAIN_ARGS]
+        ranks = {}
+        for rank in (first, 1 - first):
+            ranks[rank] = fork_main(argv, str(tmp_path / f"attempt{attempt}-rank{rank}.log"),
+                                    {**environment, "RANK": str(rank), "LOCAL_RANK": str(rank)})
+            time.sleep(3 if attempt else 0)
+        for rank, forked in ranks.items():
+            forked.process.join(timeout=120)
+        said = {rank: open(forked.output).read() for rank, forked in ranks.items()}
+        try:
+            assert [forked.process.exitcode for forked in ranks.values()] == [0, 0], said
+        finally:
+            for forked in ranks.values():
+                forked.process.kill()
+        assert "Traceback" not in said[0] + said[1] and "error:" not in said[0] + said[1], said
+        assert [r["epoch"] for r in metrics(str(tmp_path / f"out{attempt}"))] == [0]
+
+
+def _workers(torchrun):
+    """The PIDs of a torchrun's workers, local rank 0 first (started first)."""
+    with open(f"/proc/{torchrun.pid}/task/{torchrun.pid}/children") as f:
+        return sorted(int(pid) for pid in f.read().split())
+
+
+@pytest.mark.launch
+def test_a_rank_killed_before_the_first_checkpoint_is_restarted_by_plain_torchrun_and_the_run_ends(data24, tmp_path):
+    """Plain torchrun with a restart (not run.sh, which gives each attempt a store of its own): rank 1 killed
+    (SIGKILL) at the first step. The restarted attempt meets, trains both epochs and ends with exit 0: no gloo
+    "Connection refused" traceback, no wait for an earlier attempt's rank, and at most one line, rank 0's naming
+    the lost rank."""
+    out, log = str(tmp_path / "out"), tmp_path / "torchrun.log"
+    with open(log, "w") as f:
+        process = _torchrun(["--data", data24, "--output-dir", out, "--epochs", "2", "--dist-timeout", "1",
+                             *SLOW_ARGS], stdout=f, stderr=subprocess.STDOUT)
+    try:
+        wait_in_file(str(log), "epoch 0 step 1/6")
+        os.kill(_workers(process)[1], 9)
+        process.wait(timeout=240)
+    finally:
+        process.kill()
+    output = log.read_text()
+    assert process.returncode == 0, output
+    errors_said = [line for line in output.splitlines() if "main.py: error:" in line]
+    assert len(errors_said) <= 1 and all("rank 1's process is gone" in line for line in errors_said), output
+    assert "Connection refused" not in output and "connectFullMesh" not in output, output
+    _no_traceback_but_torchrun_s(output)
+    assert [r["epoch"] for r in metrics(out)] == [0, 1]
