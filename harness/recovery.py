@@ -467,8 +467,13 @@ def start_heartbeat(minutes, after_s=5.0, every_s=60.0):
         say_at = since + after_s
         while not dist.is_initialized():
             if own is not None:  # rank 0: where its store listens, again and again (_port_of_this_attempt)
-                with suppress(Exception):
+                try:
                     agent.set("deeplab/store", str(own.port))
+                except Exception as error:  # torchrun has ended: no peer it started comes, none it did not will
+                    print(f"{env.program}: error: rank 0: torchrun's store at {env.master} stopped answering while "
+                          f"the process group formed ({first_line(error)}): torchrun has ended; start the job again",
+                          file=sys.stderr, flush=True)
+                    os._exit(1)  # (init_process_group waits in torch's C++: this thread ends the process)
             if stopping.wait(0.2):
                 return
             if time.time() >= say_at and (env.rank == 0 or env.local_rank == 0):

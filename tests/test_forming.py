@@ -1,7 +1,9 @@
 """The process group while it forms (recovery.start_heartbeat): an interface that is not there, and torchrun's restarts,
 whose store outlives an attempt. Each attempt ends or goes on with at most one line, never a traceback, and no rank
 waits for an address an earlier attempt left."""
+import multiprocessing
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -107,6 +109,45 @@ def test_a_store_that_outlives_an_attempt_does_not_lead_a_rank_to_an_earlier_add
                 forked.process.kill()
         assert "Traceback" not in said[0] + said[1] and "error:" not in said[0] + said[1], said
         assert [r["epoch"] for r in metrics(str(tmp_path / f"out{attempt}"))] == [0]
+
+
+def _serve_a_store(port):
+    """A process that serves a store, as torchrun's agent does: killing it is torchrun ending."""
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    time.sleep(600)
+    del store
+
+
+@pytest.mark.long
+def test_a_rank_whose_torchrun_has_ended_does_not_wait_for_its_peers(tiny_data, tmp_path):
+    """torchrun ends (killed) while the group forms, and with it the peers it was to start. Rank 0, which serves
+    the group's store itself, and rank 1, waiting for rank 0's port in torchrun's store, each end within seconds
+    with one line, instead of waiting out --dist-timeout (5 minutes here) for a peer that never comes."""
+    for rank, said in ((0, "rank 0: torchrun's store at"), (1, "rank 1: the 2 processes did not all meet")):
+        port = free_port()
+        agent = multiprocessing.get_context("fork").Process(target=_serve_a_store, args=(port,), daemon=True)
+        agent.start()
+        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
+        store.set("deeplab/store", "an earlier attempt's")
+        log = str(tmp_path / f"rank{rank}.log")
+        forked = fork_main(["--data", tiny_data, "--output-dir", str(tmp_path / f"out{rank}"), "--dist-timeout", "5",
+                            *TRAIN_ARGS], log, {"RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank),
+                                                "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                                                "MASTER_PORT": str(port), "TORCHELASTIC_USE_AGENT_STORE": "True"})
+        try:
+            deadline = time.time() + 120  # until the rank has reached torchrun's store: rank 0 writes, rank 1 removes
+            while store.check(["deeplab/store"]) and store.get("deeplab/store") == b"an earlier attempt's":
+                assert time.time() < deadline, open(log).read()
+                time.sleep(0.1)
+            os.kill(agent.pid, signal.SIGKILL)
+            forked.process.join(timeout=30)
+            output = open(log).read()
+            assert forked.process.exitcode == 1, output
+        finally:
+            forked.process.kill()
+        errors_said = [line for line in output.splitlines() if "error:" in line]
+        assert len(errors_said) == 1 and errors_said[0].startswith(f"main.py: error: {said}"), output
+        assert "Traceback" not in output, output
 
 
 def _workers(torchrun):
