@@ -449,22 +449,33 @@ HEARTBEAT_S = 2.0
 
 
 def start_heartbeat(minutes, after_s=5.0, every_s=60.0):
-    """Before init_process_group, on every rank: a thread that, while the process group forms, says after after_s
-    seconds and then every every_s what this process waits for, where, and when it gives up (rank 0 and each node's
-    first process); and once the group exists writes, every HEARTBEAT_S, (its process, the time, steps done) into a
-    file of its own in a folder every rank of this node reads (_peers_folder), and into the store the group met at
-    while some rank has no file here (another node). A rank's process is then known dead or stopped by the peers of
-    its node whatever became of the store (run.sh's ranks meet at a store that rank 0's process serves); from
-    another node, a rank that is stopped, killed or cut off falls silent, one stuck in its own work falls behind.
-    When a collective fails, describe_peers() reads these to name the rank. stop_heartbeat() ends it."""
+    """Before init_process_group, on every rank: GLOO_SOCKET_IFNAME checked (_check_gloo_interfaces); under torchrun,
+    a store of this attempt's own to meet at (_meet_at_a_store_of_this_attempt); then a thread that, while the process
+    group forms, says after after_s seconds and then every every_s what this process waits for, where, and when it
+    gives up (rank 0 and each node's first process); and once the group exists writes, every HEARTBEAT_S, (its
+    process, the time, steps done) into a file of its own in a folder every rank of this node reads (_peers_folder),
+    and into the group's store while some rank has no file here (another node). A rank's process is then known dead
+    or stopped by the peers of its node whatever became of the store (rank 0's process serves it); from another node,
+    a rank that is stopped, killed or cut off falls silent, one stuck in its own work falls behind. When a collective
+    fails, describe_peers() reads these to name the rank. stop_heartbeat() ends it."""
     env, stopping, since = job.env(), threading.Event(), time.time()
     gives_up = time.strftime("%H:%M:%S", time.localtime(since + minutes * 60))
     RUN.guard.waiting_since = since
+    _check_gloo_interfaces()
     beat = {"group": None}  # this process group's name in the files' names, which the ranks agree on in its store
+    agent, own = _meet_at_a_store_of_this_attempt()
 
     def run():
         say_at = since + after_s
         while not dist.is_initialized():
+            if own is not None:  # rank 0: where its store listens, again and again (_port_of_this_attempt)
+                try:
+                    agent.set("deeplab/store", str(own.port))
+                except Exception as error:  # torchrun has ended: no peer it started comes, none it did not will
+                    print(f"{env.program}: error: rank 0: torchrun's store at {env.master} stopped answering while "
+                          f"the process group formed ({first_line(error)}): torchrun has ended; start the job again",
+                          file=sys.stderr, flush=True)
+                    os._exit(1)  # (init_process_group waits in torch's C++: this thread ends the process)
             if stopping.wait(0.2):
                 return
             if time.time() >= say_at and (env.rank == 0 or env.local_rank == 0):
@@ -482,7 +493,7 @@ def start_heartbeat(minutes, after_s=5.0, every_s=60.0):
             _write_beat(beat["group"], rank)
             if store is not None and len(_read_beats(beat["group"])) < world_size:  # for a rank of another node
                 try:
-                    store.set(_heartbeat_key(rank), f"{time.time()} {stops.steps_done()}")
+                    store.set(f"deeplab/heartbeat/{rank}", f"{time.time()} {stops.steps_done()}")
                 except Exception:  # the store is gone (rank 0 with it?): the files go on
                     store = None
             stopping.wait(HEARTBEAT_S)
@@ -493,6 +504,52 @@ def start_heartbeat(minutes, after_s=5.0, every_s=60.0):
     thread = threading.Thread(target=run, daemon=True, name="peers")
     thread.start()
     RUN.guard.heartbeat = (thread, stopping, beat)
+    if agent is not None and own is None:
+        os.environ["MASTER_PORT"] = str(_port_of_this_attempt(agent, since + minutes * 60))
+
+
+def _check_gloo_interfaces():
+    """GLOO_SOCKET_IFNAME as torch 2.14 reads it for a gloo group (test_forming tries each case on torch): a value of
+    two characters or more, split at commas (an empty last piece left out), each piece an interface of this machine;
+    else init_process_group ends in gloo's traceback on every rank. Said by each node's first rank, before any wait;
+    torchrun's restarts end quietly on its record (_exit_or_clear_stop_record)."""
+    value, here = os.environ.get("GLOO_SOCKET_IFNAME", ""), [name for _, name in socket.if_nameindex()]
+    wrong = [name for name in value.removesuffix(",").split(",") if name not in here]
+    backend = getattr(RUN.guard.args, "dist_backend", None) or ("nccl" if torch.cuda.is_available() else "gloo")
+    if len(value) > 1 and wrong and (RUN.guard.program != "main.py" or backend == "gloo"):  # (predict.py: gloo)
+        raise UserError(f"GLOO_SOCKET_IFNAME={value!r} names {wrong[0]!r}, no network interface of this machine (it "
+                        f"has {', '.join(here)}): set it to the one the ranks reach each other through (a "
+                        "comma-separated list for several), or unset it", this_rank=job.env().local_rank == 0)
+
+
+def _meet_at_a_store_of_this_attempt():
+    """torchrun's agent serves the store init_process_group meets at (TORCHELASTIC_USE_AGENT_STORE=True), one server
+    for all the job's attempts in torch 2.14 (DynamicRendezvousHandler.next_rendezvous), where the ranks' keys keep
+    their names: a restarted rank can read an address of the attempt before, and its connect is refused, or it waits
+    for a rank that is gone (pytorch/pytorch#135712). So rank 0 serves a store of this attempt's own, as under run.sh
+    (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1), and writes its port into the agent's store while the group forms
+    (start_heartbeat); the others take it there (_port_of_this_attempt). -> (the agent's store, rank 0's own store),
+    or (None, None) where the agent serves none."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None, None
+    agent, own = _group_store(), None
+    if get_rank() == 0:
+        own = dist.TCPStore(os.environ["MASTER_ADDR"], 0, is_master=True, wait_for_workers=False, multi_tenant=True)
+        os.environ["MASTER_PORT"] = str(own.port)
+    os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "False"  # init_process_group: rank 0 serves, the others connect
+    return agent, own
+
+
+def _port_of_this_attempt(agent, deadline):
+    """The port of rank 0's store, from the agent's: the value an earlier attempt's rank 0 left is removed first,
+    and this attempt's writes it again every 0.2 s until the group has formed. The agent's store gone (its torchrun
+    has ended), or no port by the deadline: a DistError, said as ranks that did not meet (_did_not_meet)."""
+    agent.delete_key("deeplab/store")
+    while not agent.check(["deeplab/store"]):
+        if time.time() > deadline:
+            raise dist.DistError("no word from rank 0 of this attempt in torchrun's store")
+        time.sleep(0.1)
+    return int(agent.get("deeplab/store").split()[0])
 
 
 def stop_heartbeat():
@@ -515,7 +572,7 @@ def _agree_on_a_name(store):
     """A name for this process group's heartbeat files, new for each group, which every rank reads from its store:
     files an earlier run left in the folder (a rank killed there) are never taken for this one's. Those whose
     process is gone are removed."""
-    key = f"deeplab/heartbeat/{job.env().restarts}/name"
+    key = "deeplab/heartbeat/name"
     if get_rank() == 0:
         store.set(key, f"{os.getpid()}-{time.time_ns()}")
         _remove_files_of_the_gone()
@@ -589,18 +646,12 @@ def _remove_files_of_the_gone():
 
 
 def _group_store(timeout_s=5.0):
-    """A connection of this process's own to the store the process group met at: init_process_group's env://
-    rendezvous serves it at MASTER_ADDR:MASTER_PORT (rank 0 hosts it, or torchrun). Through torch's public
-    TCPStore, not the group's own connection, which torch keeps private. timeout_s: for each call too (the
-    launcher may be tearing the store down: do not wait on it)."""
-    host, port = job.env().master.rsplit(":", 1)
-    return dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s),
-                         wait_for_workers=False)
-
-
-def _heartbeat_key(rank):
-    """A key of each torchrun attempt's own: torchrun's store can outlive an attempt, and its heartbeats."""
-    return f"deeplab/heartbeat/{job.env().restarts}/{rank}"
+    """A connection of this process's own to the store at MASTER_ADDR:MASTER_PORT, where init_process_group's env://
+    rendezvous meets (rank 0 serves it) or, before that, torchrun's agent serves its own. Through torch's public
+    TCPStore, not the group's own connection, which torch keeps private. timeout_s: for each call too (the launcher
+    may be tearing the store down: do not wait on it)."""
+    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                         timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
 
 
 def _did_not_meet(error):
@@ -646,8 +697,8 @@ def describe_peers():
             store, unanswered = None, True
         for rank in others if store is not None else []:
             try:
-                if store.check([_heartbeat_key(rank)]):
-                    stamp, step = store.get(_heartbeat_key(rank)).decode().split()
+                if store.check([f"deeplab/heartbeat/{rank}"]):
+                    stamp, step = store.get(f"deeplab/heartbeat/{rank}").decode().split()
                     steps[rank] = int(step)
                     if now - float(stamp) > 3 * HEARTBEAT_S:
                         silent[rank] = now - float(stamp)
@@ -658,10 +709,10 @@ def describe_peers():
               for r, age in sorted(stopped.items())]
     parts += [f"rank {r} silent for {age:.0f} s (" + ("alive, but hung" if r in here else "stopped, killed, or cut off")
               + ")" for r, age in sorted(silent.items())]
-    if unanswered:  # rank 0's process serves the store (or torchrun on its node): gone, unless it is seen here
+    if unanswered:  # rank 0's process serves the store: gone, unless it is seen here
         blame = "" if 0 in here else ": rank 0 is gone, or its node cut off"
-        parts.append(f"rank(s) {others} not heard from (the process group's store at {job.env().master}, which rank "
-                     f"0 or torchrun on its node serves, does not answer{blame})")
+        parts.append(f"rank(s) {others} not heard from (the process group's store, which rank 0's process serves, "
+                     f"does not answer{blame})")
     else:
         parts += [f"rank {r} never reported" for r in others if r not in steps]
     if parts:
