@@ -97,7 +97,7 @@ def guard(program, args=None):
         if worker:
             prefix = f"rank {get_rank()}: " if get_world_size() > 1 else ""
             _say_record_and_exit(prefix + worker, say_it=True)
-        if isinstance(error, dist.DistError) and not dist.is_initialized():
+        if not dist.is_initialized() and RUN.guard.waiting_since is not None:  # (gloo's own: RuntimeError)
             _say_record_and_exit(f"rank {get_rank()}: " + _did_not_meet(error), say_it=True)
         if not (dist.is_initialized() and is_collective_failure(error)):
             raise
@@ -553,6 +553,7 @@ def _port_of_this_attempt(agent, deadline):
 
 
 def stop_heartbeat():
+    RUN.guard.waiting_since = None  # (the group formed long ago, or never will: guard's "did not meet" no longer)
     if RUN.guard.heartbeat is not None:
         thread, stopping, _ = RUN.guard.heartbeat
         stopping.set()
