@@ -24,6 +24,103 @@ the data set being cached, set in the parent once per split and in each Pool wor
 Names say when a function writes or waits for the other ranks: one whose name begins with ranks_ is a collective
 (every rank calls it, at the same point); write, make, move, hold, rewrite or save in a name: it writes files; a
 name that says check and nothing more only reads.
+
+The promises, each with its one owner (module.function; a bare name is this file's) and the tests that hold it
+(tests/test_harness.py keeps this table true: every owner and test exists, every module owns a row). Beside the
+harness, images.input_files lists every input a program reads, by type (tests/test_inputs.py).
+
+- A program starts, or says in one line why not: a temporary folder torch can use, checked before torchvision.
+  owner: check_temporary_folder
+  tests: test_entry.py::test_a_temporary_folder_torch_cannot_use_is_said_in_one_line
+         test_entry.py::test_a_temporary_folder_too_long_for_the_workers_sockets_is_said_before_torch_loads
+- Every program ends in exit 0 or one line: a mistake, a stop or Ctrl-C, a failure while the group forms.
+  owner: recovery.guard
+  tests: test_entry.py::test_a_stop_ends_each_tool_in_one_line_and_leaves_nothing_half_written
+         test_recovery.py::test_a_mistake_under_torchrun_is_said_once_and_not_restarted
+- A mistake is said once: by the rank that meets it, or by rank 0 where every rank does.
+  owner: errors.fail
+  tests: test_recovery.py::test_a_rank_waits_for_rank_0_to_say_a_mistake_every_rank_finds_and_says_it_when_rank_0_does_not
+         test_recovery.py::test_a_bad_file_on_rank_1_is_named_by_rank_1_once_and_restarts_do_not_repeat_it
+- Every number flag of every program is in its range before any work.
+  owner: checks.check_numbers
+  tests: test_checks.py::test_every_number_flag_of_every_program_refuses_a_number_out_of_its_range_before_any_work
+- Flags that cannot work together, or on this machine, are refused in one line.
+  owner: checks.check_args
+  tests: test_preflight.py::test_choices_that_cannot_work_here
+- The launcher's variables are checked in one line.
+  owner: job.read_environment
+  tests: test_job.py::test_the_launchers_environment_is_checked_in_one_line
+- The process group forms, or one line says why: an interface not here, a torchrun restart, a launcher gone.
+  owner: recovery.start_heartbeat
+  tests: test_forming.py::test_an_interface_that_is_not_here_is_said_once_before_any_wait_and_not_restarted
+         test_forming.py::test_a_rank_killed_before_the_first_checkpoint_is_restarted_by_plain_torchrun_and_the_run_ends
+         test_forming.py::test_a_rank_whose_torchrun_has_ended_does_not_wait_for_its_peers
+- Every mistake in the flags, the data and the checkpoint is found before any work, with advice that works.
+  owner: preflight.check_data_and_make_outputs
+  tests: test_preflight.py::test_the_data_folder_as_people_have_it
+         test_preflight.py::test_each_piece_of_advice_followed_as_written_ends_that_mistake
+- -e evaluates as the run did: its precision and its evaluation window.
+  owner: inference.read_mode
+  tests: test_inference.py::test_e_evaluates_as_the_run_did_and_reads_the_val_images_alone
+- One run per output folder; a dead run's folder is taken over.
+  owner: paths.hold_output
+  tests: test_paths.py::test_a_folder_in_use_is_refused_to_another_run_and_taken_over_from_a_dead_one
+         test_paths.py::test_a_lock_record_copied_with_its_folder_is_not_taken_for_a_killed_run
+- Nothing the user made is written over: a previous run moved aside whole, never an output in the data set.
+  owner: paths.check_run_files
+  tests: test_paths.py::test_a_previous_run_is_never_replaced_without_a_word
+         test_paths.py::test_no_output_lands_in_the_data_set
+- Every file is written whole: a new name, created exclusively, then renamed; no link followed.
+  owner: paths.write_atomically
+  tests: test_paths.py::test_no_write_follows_a_link_left_where_the_run_writes
+         test_predict.py::test_an_export_that_fails_leaves_the_earlier_one_as_it_was
+- A failed write says why and what to do, in one line, whichever writer met it.
+  owner: paths.cannot_write
+  tests: test_paths.py::test_a_save_that_fails_says_why_from_its_errno_and_what_it_says_to_do_works
+         test_records.py::test_a_full_disk_before_the_first_checkpoint_gives_advice_that_works
+- A checkpoint is verified before any reader trusts it; --resume auto falls back to the one before.
+  owner: checkpoints.verify
+  tests: test_checkpoints.py::test_a_damaged_checkpoint_is_refused_by_every_reader_and_resume_auto_falls_back
+         test_checkpoints.py::test_a_byte_changed_anywhere_in_a_checkpoint_is_refused_or_changes_nothing
+- A checkpoint that does not fit this run is refused in one line before training.
+  owner: checkpoints.checked
+  tests: test_checkpoints.py::test_a_checkpoint_of_another_version_is_refused_in_one_line_before_training
+- Each save keeps the one before, and a save killed half-way loses nothing.
+  owner: checkpoints.keeping_previous
+  tests: test_checkpoints.py::test_a_full_disk_keeps_the_previous_checkpoint_and_no_half_file
+         test_recovery.py::test_a_process_killed_inside_torch_save_loses_nothing_and_the_same_command_resumes
+- A stop saves where every rank is, and the same command resumes bitwise.
+  owner: stops.save_if_stopped
+  tests: test_recovery.py::test_preempted_mid_epoch_resumes_at_next_batch_and_matches
+         test_stops.py::test_a_stop_to_the_whole_process_group_saves_and_exits_0
+- A stop before training ends the run at once and changes nothing.
+  owner: stops.install
+  tests: test_stops.py::test_a_stop_at_any_moment_before_training_ends_the_run_and_changes_nothing
+- DataLoader workers leave a stop to their parent; a worker that dies is named in one line.
+  owner: stops.shield_workers
+  tests: test_stops.py::test_a_data_worker_that_dies_or_finds_no_shared_memory_ends_in_one_line
+- Out of memory ends in one line: where, with what, and what to change.
+  owner: recovery.out_of_memory
+  tests: test_recovery.py::test_out_of_memory_in_a_step_or_the_evaluation_ends_in_one_line_that_says_what_to_change
+         test_recovery.py::test_out_of_memory_in_predict_py_ends_in_one_line
+- A lost or hung peer is named by the ranks that wait for it.
+  owner: recovery.describe_peers
+  tests: test_recovery.py::test_a_killed_rank_is_named_gone_by_the_rank_that_outlives_it
+         test_recovery.py::test_a_hung_peer_ends_the_job_naming_the_rank
+- run.sh's wait for the other nodes says what it waits for.
+  owner: rendezvous.watch_rendezvous
+  tests: test_stops.py::test_waits_for_other_nodes_and_processes_say_what_they_wait_for
+- The epoch's records are kept: metrics (a user's lines too), best.pth, pictures, eval.json.
+  owner: records.write_epoch
+  tests: test_checkpoints.py::test_lines_a_user_added_to_metrics_jsonl_are_kept_on_resume
+         test_records.py::test_a_full_disk_under_save_predictions_or_tensorboard_keeps_the_trained_epoch
+- A run's state starts afresh, for each run in one process too.
+  owner: job.begin_run
+  tests: test_job.py::test_begin_run_makes_every_field_as_a_new_process_has_it_but_what_lasts_the_process
+- The decode cache is filled before training, and never in the data set.
+  owner: cache.prepare_cache
+  tests: test_dataset.py::test_prepare_cache_fills_the_cache_that_training_reads
+         test_dataset.py::test_the_decode_cache_stays_out_of_the_data_set_and_minus_j_0_means_this_process
 """
 import errno
 import os
