@@ -65,12 +65,11 @@ class Stops:
     """What stops.py knows of stopping: the signal seen, the ranks' vote, a file rank 0 could not write."""
     signal: int | None = None           # the first stop signal this process received
     signal_time: float = 0.0            # when (a second one, a second or more later, stops at once)
-    handlers: dict | None = None        # the stop signals' handlers before this run, which restore() puts back
+    handlers: dict | None = None        # a training run's: the stop signals' handlers before it, for restore()
     vote: object = None                 # the stops.StopVote of this epoch's steps, made at its first step
     decision: str | None = None         # the epoch's first decision to stop: "signal" or "nonfinite"
     steps: int = 0                      # optimizer steps voted on, for the heartbeat
-    deferring: bool = False             # inside stops.deferred(): a stop ends the run after its writes
-    begun: bool = False                 # the preflight has ended: from here a stop saves first
+    phase: str | None = None            # where a training run is: a key of stops.PHASES (stops.enter)
     problem: str | None = None          # the line of a file rank 0 could not write, until the ranks stop on it
 
 

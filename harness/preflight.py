@@ -113,7 +113,7 @@ def check_data_and_make_outputs(args, train_set, val_set, checkpoint):
     nothing: exit 0, or errors.NOTHING_TO_TRAIN where the run it would resume has finished. Then rank 0, with every
     check passed, makes the output folders (before init_process_group, which the other ranks wait in), rewrites the
     run's files to begin at the checkpoint's position, and opens TensorBoard's writer; and from here a stop saves
-    first (stops.preflight_ended changes what the stop signals do)."""
+    first (the stop phases' next: stops.PHASES)."""
     crop_size = args.crop_size * 2 if len(args.crop_size) == 1 else args.crop_size
     checks.check_model_fits(args, crop_size)  # --model is known now: the checkpoint's, unless given
     world_size = args.check_only or job.get_world_size()
@@ -138,7 +138,7 @@ def check_data_and_make_outputs(args, train_set, val_set, checkpoint):
         steps_per_epoch = len(train_set) // job.global_batch(args, world_size)
         records.open_tensorboard(args, epoch * steps_per_epoch + step + 1)
     records.watch_predictions(val_set)  # a prediction that cannot be written costs the predictions, not the epoch
-    stops.preflight_ended()
+    stops.enter("meeting" if job.env().distributed else "training")
     if job.env().restarts and not args.evaluate:
         log(f"note: restart {job.env().restarts} by torchrun after a failure: the run goes on from "
             f"{args.resume or 'its start (no checkpoint was written before it)'}")

@@ -6,9 +6,8 @@ passing a stop on), SIGINT (Ctrl-C), SIGHUP (the terminal closed), SIGUSR1 and S
 told to send before a job's time is up, Slurm's --signal=USR1@120). A write to a closed terminal, or a full disk
 under the log, costs the line, not the run.
 
-    stops.install()                     # recovery.guard, as main.py starts: the stop signals finish the step
-    stops.preflight_ended()             # the preflight's end: from here a stop saves first (see there)
-    stops.process_group_formed()        # after init_process_group
+    stops.install()                     # recovery.guard, as main.py starts: a training run's signals (PHASES)
+    stops.enter("training")             # after init_process_group (the preflight enters the phases before it)
     stops.shield_workers(loader, ...)   # DataLoader workers leave a stop to the process that reads them
     if stops.ranks_vote_to_stop(loss): break   # a collective each optimizer step: its vote cast, the step before's read
     stops.save_if_stopped(epoch, step, steps_per_epoch, save)   # after an epoch's steps: save there and end
@@ -46,76 +45,72 @@ class Interrupted(BaseException):
 
 
 # --- signals ----------------------------------------------------------------------------------------------------
+def _on_signal(signum, frame):
+    if RUN.stops.signal is None:
+        RUN.stops.signal, RUN.stops.signal_time = signum, time.time()
+        if RUN.stops.phase == "preflight":
+            raise Interrupted(signum)
+    elif time.time() - RUN.stops.signal_time > 1.0:  # a second signal (not a copy of the first, which a
+        signal.signal(signum, signal.SIG_DFL)     # scheduler and a launcher may both send): stop now
+        os.kill(os.getpid(), signum)
+
+
+# A training run's phases, in order, and the stop signals' handler in each: enter() alone switches them. (Other runs,
+# -e, --check-only and predict.py, keep the handlers they had: a stop ends them at once.)
+PHASES = {
+    "preflight": _on_signal,  # nothing is trained, nothing waits for this process: the run ends at once (Interrupted)
+    "writing": _on_signal,    # writes that must not stop half-way (deferred()): the run ends after them
+    # init_process_group: it waits for the ranks inside torch's C++, which retries a call a signal interrupts and so
+    # never lets a Python handler run (a stop would wait out --dist-timeout). So each signal does what it did before
+    # this run (one ignored stays so, as run.sh has torchrun ignore SIGUSR1), or its default: the process ends at once.
+    "meeting": None,
+    "training": _on_signal,   # noted, and acted on where every rank stops together (ranks_vote_to_stop, ...)
+}
+
+
 def install(training=True):
-    """A run starts with no signal seen. A training run's stop signals (STOP_SIGNALS): before the preflight has ended
-    (preflight_ended()), nothing is trained and nothing waits for this process, and the run ends at once
-    (Interrupted); after, the signal is noted and acted on where every rank can stop together (ranks_vote_to_stop,
-    ranks_vote_after_epoch), instead of killing the process mid-step. Other runs (-e, the preflight) keep their own
-    handlers: a stop ends them. A training run's sys.stdout and sys.stderr are wrapped as well (_Terminal)."""
-    RUN.stops = job.Stops(handlers=RUN.stops.handlers)  # (handlers: those to put back, until restore() has)
+    """A run starts with no signal seen. A training run's stop signals (STOP_SIGNALS) enter PHASES' first, and its
+    sys.stdout and sys.stderr are wrapped (_Terminal)."""
+    RUN.stops = job.Stops()
     if training:
-        RUN.stops.handlers = {signum: signal.signal(signum, _on_signal) for signum in STOP_SIGNALS}
+        RUN.stops.handlers = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}  # (restore's)
+        enter("preflight")
         if sys.stdout is not None:  # (None: this process was started with its output closed)
             sys.stdout = _Terminal(sys.stdout)
         if sys.stderr is not None:
             sys.stderr = _Terminal(sys.stderr)
 
 
-@contextmanager
-def deferred():
-    """Around writes that must not stop half-way (the preflight moving an old run aside): a signal that comes
-    meanwhile ends the run after them."""
-    RUN.stops.deferring = True
-    try:
-        yield
-    finally:
-        RUN.stops.deferring = False
-    if RUN.stops.handlers is not None and RUN.stops.signal is not None and _before_training():
+def enter(phase):
+    """The one switch between PHASES, in a training run (in another, nothing). Back in "preflight" from "writing",
+    a stop that came meanwhile ends the run."""
+    if RUN.stops.handlers is None:
+        return
+    RUN.stops.phase = phase
+    for signum, before in RUN.stops.handlers.items():
+        signal.signal(signum, PHASES[phase] or (signal.SIG_IGN if before == signal.SIG_IGN else signal.SIG_DFL))
+    if phase == "preflight" and RUN.stops.signal is not None:
         raise Interrupted(RUN.stops.signal)
 
 
-def preflight_ended():
-    """The preflight has ended: from here a stop saves first. With a process group, once the ranks have met
-    (process_group_formed()): init_process_group waits for them inside torch's C++, which retries a call a signal
-    interrupts and so never lets a Python handler run (a stop would wait out --dist-timeout). Meanwhile the stop
-    signals do what they did before this run (a signal ignored, as run.sh has torchrun ignore SIGUSR1, stays
-    ignored), or their default, which ends the process at once."""
-    RUN.stops.begun = True
-    if job.env().distributed and RUN.stops.handlers is not None:
-        for signum, before in RUN.stops.handlers.items():
-            signal.signal(signum, signal.SIG_IGN if before == signal.SIG_IGN else signal.SIG_DFL)
-
-
-def process_group_formed():
-    """After init_process_group: the ranks have met, and a stop is noted again, to save at the next step."""
-    if RUN.stops.handlers is not None:
-        for signum in STOP_SIGNALS:
-            signal.signal(signum, _on_signal)
-
-
-def _before_training():
-    return not RUN.stops.begun
+@contextmanager
+def deferred():
+    """Around writes that must not stop half-way (the preflight moving an old run aside): PHASES' "writing"."""
+    enter("writing")
+    try:
+        yield
+    finally:
+        enter("preflight")
 
 
 def restore():
     """The signals back to what they did before this run (a second run in one process: the tests')."""
-    if RUN.stops.handlers is not None:
-        for signum, handler in RUN.stops.handlers.items():
-            signal.signal(signum, handler)
-        RUN.stops.handlers = None
+    for signum, handler in (RUN.stops.handlers or {}).items():
+        signal.signal(signum, handler)
+    RUN.stops.handlers = None
     for name in ("stdout", "stderr"):
         if isinstance(getattr(sys, name), _Terminal):
             setattr(sys, name, getattr(sys, name).stream)
-
-
-def _on_signal(signum, frame):
-    if RUN.stops.signal is None:
-        RUN.stops.signal, RUN.stops.signal_time = signum, time.time()
-        if _before_training() and not RUN.stops.deferring:
-            raise Interrupted(signum)
-    elif time.time() - RUN.stops.signal_time > 1.0:  # a second signal (not a copy of the first, which a
-        signal.signal(signum, signal.SIG_DFL)     # scheduler and a launcher may both send): stop now
-        os.kill(os.getpid(), signum)
 
 
 def _send_nowhere(fd):
