@@ -17,6 +17,7 @@ import functools
 import gc
 import json
 import os
+import resource
 import signal
 import socket
 import sys
@@ -186,55 +187,45 @@ def is_cpu_out_of_memory(error):
 
 def data_worker_lost(error):
     """The one line for a DataLoader worker that died or could not hand over a batch, or None for another error.
-    torch says it in a plain RuntimeError naming a DataLoader worker, so it is told by torch's words (torch 2.14's,
-    in libtorch_python and torch/utils/data): a worker killed by a signal (Killed: most likely the out-of-memory
-    killer; a bus error: most likely a full /dev/shm), one that exited unexpectedly (also what a SIGKILL gives when
-    torch notices the worker gone first; with an exit code, its own), or shared memory that could not be allocated.
-    With -j 0 there is no worker: None."""
-    text = str(error)
-    workers = getattr(RUN.guard.args, "workers", None)
+    torch says it in a plain RuntimeError naming a DataLoader worker (torch 2.14's words, in libtorch_python and
+    torch/utils/data), and the advice follows its cause: shared memory that could not be allocated (or a bus error:
+    most likely a full /dev/shm); too many open files (the descriptors workers hand tensors over through); another
+    error handing a batch over (stops._batch_not_handed_over); a worker killed (Killed, or gone before torch saw
+    why: most likely the out-of-memory killer); one that died otherwise. With -j 0 there is no worker: None."""
+    text, workers = str(error), getattr(RUN.guard.args, "workers", None)
     if not isinstance(error, RuntimeError) or "DataLoader worker" not in text or workers == 0:
         return None
     if workers is None:
         fewer = "a smaller -j (its default: each process's share of the cores, less one), or -j 0"
     else:
         fewer = "-j 0 (loading in this process)" if workers == 1 else f"-j {workers // 2} or -j 0"
-    training = RUN.guard.program == "main.py" and not getattr(RUN.guard.args, "evaluate", False)
-    last = f" The last checkpoint is kept: then {job.resume_advice()}." if training else ""
-    noted = None  # a worker's note of the error that kept it from handing over a batch (stops._batch_not_handed_over)
-    with suppress(OSError, TypeError):  # (TypeError: no private folder)
-        note = stops.batch_not_handed_over(os.getpid())
-        if os.stat(note).st_mtime >= RUN.guard.started:  # not a note left for an earlier process of this id
-            with open(note, errors="replace") as f:
-                noted = f.read()
-        os.remove(note)
-    if noted is not None and "Too many open files" in noted:  # the file descriptors torch shares tensors through
-        import resource  # (Linux and macOS, where DataLoader workers share tensors through file descriptors)
-        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        most = "unlimited" if hard == resource.RLIM_INFINITY else hard
-        if soft == hard:
-            limit = f"this shell's open-files limit is at its most ({most}): ask for a higher one"
-        else:
-            limit = f"raise this shell's open-files limit to its most (now {soft}): ulimit -Sn {most}"
-        return (f"a data loading worker could not hand over a batch ({noted}): {limit}, or give -j 0 (no "
-                f"hand-over).{last}")
-    if noted is not None and "unable to allocate shared memory" not in noted and "No space left" not in noted:
-        return f"a data loading worker could not hand over a batch ({noted}): give -j 0 (no hand-over).{last}"
-    if "unable to allocate shared memory" in text or "Bus error" in text or noted is not None:
-        try:
+    cause = text.rstrip().splitlines()[-1].split(": ", 1)[-1]  # the worker's own error: its traceback's last line
+    said = first_line(error).rstrip(".")
+    if any(words in text for words in ("unable to allocate shared memory", "No space left", "Bus error")):
+        free = ""
+        with suppress(OSError):  # (no /dev/shm: macOS)
             shm = os.statvfs("/dev/shm")
             free = f", {shm.f_bavail * shm.f_frsize / 2**20:.0f} MiB free"
-        except OSError:  # no /dev/shm (macOS)
-            free = ""
-        return (f"a data loading worker could not hand over a batch: shared memory (/dev/shm{free}) is most likely "
-                f"too small: give {fewer}, or more shared memory (Docker: --shm-size=8g).{last}")
-    if "is killed by signal: Killed" in text or ("exited unexpectedly" in text and "exit code" not in text):
-        # (a SIGKILL is told either way: as a signal, or as a worker gone that torch noticed first)
-        return (f"a data loading worker was killed or ended unexpectedly ({first_line(error).rstrip('.')}), most "
-                f"likely by the out-of-memory killer (dmesg says): give {fewer}, or more memory.{last}")
-    if "is killed by signal" in text or "exited unexpectedly" in text:  # another signal; an exit code of its own
-        return f"a data loading worker died ({first_line(error).rstrip('.')}): give -j 0 to see why.{last}"
-    return None
+        lost = f"could not hand over a batch: shared memory (/dev/shm{free}) is most likely too small"
+        advice = f"give {fewer}, or more shared memory (Docker: --shm-size=8g)"
+    elif "Too many open files" in text or "handing over a batch" in text:
+        lost, advice = f"could not hand over a batch ({cause})", "give -j 0 (no hand-over)"
+        if "Too many open files" in text:
+            soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+            most = "unlimited" if hard == resource.RLIM_INFINITY else hard
+            advice = (f"this shell's open-files limit is at its most ({most}): ask for a higher one" if soft == hard
+                      else f"raise this shell's open-files limit to its most (now {soft}): ulimit -Sn {most}") + \
+                f", or {advice}"
+    elif "is killed by signal: Killed" in text or ("exited unexpectedly" in text and "exit code" not in text):
+        lost = f"was killed or ended unexpectedly ({said}), most likely by the out-of-memory killer (dmesg says)"
+        advice = f"give {fewer}, or more memory"
+    elif "is killed by signal" in text or "exited unexpectedly" in text:  # another signal; an exit code of its own
+        lost, advice = f"died ({said})", "give -j 0 to see why"
+    else:
+        return None
+    training = RUN.guard.program == "main.py" and not getattr(RUN.guard.args, "evaluate", False)
+    last = f" The last checkpoint is kept: then {job.resume_advice()}." if training else ""
+    return f"a data loading worker {lost}: {advice}.{last}"
 
 
 def memory_figures():
@@ -244,7 +235,6 @@ def memory_figures():
         device = torch.device("cuda", torch.cuda.current_device())
         total = torch.cuda.get_device_properties(device).total_memory
         return f"GPU {device.index}", total / 2**30, torch.cuda.max_memory_allocated(device) / 2**30
-    import resource
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return "the CPU", total / 2**30, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 

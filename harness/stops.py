@@ -17,7 +17,6 @@ A name that begins with ranks_ is a collective (here and in the whole harness): 
 point. This module's state is job.RUN.stops.
 """
 import errno
-import ctypes
 import functools
 import multiprocessing.queues
 import os
@@ -29,9 +28,10 @@ from contextlib import contextmanager, suppress
 
 import torch
 import torch.distributed as dist
+from torch._utils import ExceptionWrapper  # (what a DataLoader worker sends in a batch's place when it fails)
 
 from . import job, paths
-from .errors import Finished, fail, first_line
+from .errors import Finished, fail
 from .job import RUN, log
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
@@ -185,39 +185,24 @@ def shield_workers(*loaders):
 
 def _worker_init(parent, worker_id):
     paths.forget_hold()  # a forked worker's copy of --output-dir's lock would hold it after its parent was killed
-    # A batch that cannot be handed over ends this worker (_batch_not_handed_over), by SIGBUS's default action: not
-    # torch's own handler for a worker's SIGBUS, installed before this runs, which would print a line of its own.
-    multiprocessing.queues.Queue._on_queue_feeder_error = staticmethod(_batch_not_handed_over)
-    signal.signal(signal.SIGBUS, signal.SIG_DFL)
+    multiprocessing.queues.Queue._on_queue_feeder_error = _batch_not_handed_over  # (a method: its queue comes first)
     # Blocked in this thread before the next starts: every thread of the worker then blocks them, and the signals
     # wait for sigwaitinfo, which tells who sent each.
     signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     threading.Thread(target=_end_on_parents_sigterm, args=(parent,), daemon=True, name="stops").start()
 
 
-def _batch_not_handed_over(error, batch):
-    """In a DataLoader worker, where a batch put on its queue fails. A batch not yet in shared memory (predict.py's:
-    batch_size=None, no collate) has its tensors moved there by the queue's feeder thread, and with /dev/shm full
-    that raises there (torch's "unable to allocate shared memory"). (main.py's batches are collated into shared
-    memory in the worker's own thread: a full /dev/shm raises there, an error torch hands to the parent.)
-    multiprocessing's own hook prints a traceback and drops the batch, and the parent waits for it forever (seen:
-    predict.py with a 1 MB /dev/shm). The worker ends instead, by SIGBUS (as a full /dev/shm ends a worker that
-    writes into it), and torch's parent raises "DataLoader worker (pid N) is killed by signal: Bus error", or
-    "exited unexpectedly" where it notices the worker gone first: so the worker first leaves a note with the error's
-    first line for its parent (batch_not_handed_over), which recovery.data_worker_lost reads. Not dumpable first
-    (prctl): a core file of a deliberate end would help no one."""
-    with suppress(OSError, TypeError):  # (TypeError: no private folder; the parent's line is then the general one)
-        paths.write_atomically(batch_not_handed_over(os.getppid()),  # whole: another worker may write it too
-                               first_line(error).encode(errors="backslashreplace"), durable=False)
-    with suppress(OSError, AttributeError):  # (not Linux: no prctl)
-        ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE (linux/prctl.h), 0
-    os.kill(os.getpid(), signal.SIGBUS)
-
-
-def batch_not_handed_over(parent):
-    """The note a DataLoader worker of the process parent leaves where it could not hand over a batch, holding the
-    error's first line: in this user's own folder in TMPDIR."""
-    return os.path.join(paths.private_folder(), f"batch-not-handed-over-{parent}")
+def _batch_not_handed_over(queue, error, batch):
+    """multiprocessing's hook, in a DataLoader worker, for a batch its queue's feeder thread could not send. A batch
+    not yet in shared memory (predict.py's: batch_size=None, no collate) has its tensors moved there by that thread,
+    and with /dev/shm full that raises there (torch's "unable to allocate shared memory"); multiprocessing's own hook
+    prints a traceback and drops the batch, and the parent waited for it forever (seen: predict.py with a 1 MB
+    /dev/shm). The error goes in the batch's place instead, as torch sends an error of the worker's own thread, and
+    the parent raises it (as a RuntimeError, whatever its type) for recovery.data_worker_lost to name."""
+    failed = ExceptionWrapper((RuntimeError, error, error.__traceback__),
+                              where=f"in DataLoader worker (pid {os.getpid()}), handing over a batch")
+    with suppress(ValueError):  # (the queue closed: the worker is ending, and no one waits for the batch)
+        queue.put((batch[0], failed))
 
 
 def _end_on_parents_sigterm(parent):
