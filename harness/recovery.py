@@ -239,55 +239,41 @@ def memory_figures():
     return "the CPU", total / 2**30, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
-def _less_precise():
-    """The --amp to try: bf16, or fp16 on a GPU without bf16 of its own (checks.native_amp)."""
-    return f"--amp {checks.native_amp(torch.cuda.is_available())}"
-
-
 def _smaller_batch(batch, accum_steps):
-    """-> (-b, --accum-steps) with about half the images per forward and the same global batch, or None at -b 1."""
+    """-b and --accum-steps with about half the images per forward and the same global batch; None at -b 1."""
     smaller = max((d for d in range(1, batch // 2 + 1) if batch % d == 0), default=None)
-    return None if smaller is None else (smaller, accum_steps * batch // smaller)
+    return smaller and f"-b {smaller} --accum-steps {accum_steps * batch // smaller} (the same global batch)"
 
 
 def out_of_memory(error):
     """The one line for torch.OutOfMemoryError: what ran out (told by the function it was raised in), with which
     settings, the device's memory, and what to change, in the flags of the program that ran out."""
-    phase = "setting up"
-    for frame in reversed(traceback.extract_tb(error.__traceback__)):
-        if frame.name in _PHASES and os.path.basename(frame.filename) in ("main.py", "predict.py"):
-            phase = _PHASES[frame.name]
-            break
-    args = RUN.guard.args
-    device, total, peak = memory_figures()
-    amp = getattr(args, "amp", None)
-    precision = checks.native_amp(torch.cuda.is_available()) if amp == "auto" else amp if amp != "off" else None
+    phase = next((_PHASES[frame.name] for frame in reversed(traceback.extract_tb(error.__traceback__))
+                  if frame.name in _PHASES and os.path.basename(frame.filename) in ("main.py", "predict.py")),
+                 "setting up")
+    args, (device, total, peak) = RUN.guard.args, memory_figures()
+    native, amp = checks.native_amp(torch.cuda.is_available()), getattr(args, "amp", None)
+    precision = native if amp == "auto" else amp if amp != "off" else None
+    tries = [] if precision else [f"--amp {native}"]
     crop = getattr(args, "eval_crop", None)
     window = f"in windows of {crop[0]}x{crop[-1]} (--eval-crop)" if crop else "whole, at full resolution"
-    tries = [] if precision else [_less_precise()]
-    precision = precision or "fp32"
+    windows = "a smaller --eval-crop" if crop else "a sliding window, --eval-crop 769 (mmsegmentation's)"
     if phase == "a training step":
         height, width = (args.crop_size * 2)[:2]
         settings = f"-b {args.batch_size} per process x --accum-steps {args.accum_steps}, crop {height}x{width}"
-        smaller = _smaller_batch(args.batch_size, args.accum_steps)
-        if smaller:
-            tries.append(f"-b {smaller[0]} --accum-steps {smaller[1]} (the same global batch)")
-        tries.append("a smaller --crop-size")
+        tries += [_smaller_batch(args.batch_size, args.accum_steps), "a smaller --crop-size"]
     elif phase == "the evaluation":
-        settings = f"val images {window}, one at a time"
-        tries.append("a smaller --eval-crop" if crop else "a sliding window, --eval-crop 769 (mmsegmentation's)")
+        settings, tries = f"val images {window}, one at a time", tries + [windows]
     elif phase == "a prediction":
         settings = f"-b {args.batch_size} images of one size per forward, {window}"
-        if args.batch_size > 1:
-            tries.append("-b 1")
-        tries.append("a smaller --eval-crop" if crop else "a sliding window, --eval-crop 769")
+        tries += ["-b 1" if args.batch_size > 1 else None, windows]
     else:
-        settings = "before the first step"
-        tries.append("a smaller model (--model)")
+        settings, tries = "before the first step", tries + ["a smaller model (--model)"]
+    tries = [what for what in tries if what]
     under_run_sh = job.env().under_run_sh and RUN.guard.program == "main.py"
     advice = ", ".join(tries[:-1]) + (", or " if len(tries) > 1 else "") + tries[-1]
-    return (f"out of memory in {phase} ({settings}, {precision}; {device}: {total:.1f} GiB in all, {peak:.1f} GiB at "
-            f"the peak): try {advice}" + (" (after ./run.sh)" if under_run_sh else ""))
+    return (f"out of memory in {phase} ({settings}, {precision or 'fp32'}; {device}: {total:.1f} GiB in all, "
+            f"{peak:.1f} GiB at the peak): try {advice}" + (" (after ./run.sh)" if under_run_sh else ""))
 
 
 def is_collective_failure(error):
