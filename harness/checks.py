@@ -3,8 +3,8 @@ machine can do. main.py and predict.py parse with plain argparse types (int, flo
 mistake in one line that names the flag and its bound (errors.fail), before a model or a process group exists.
 
     checks.check_numbers(args, checks.MAIN)   # each number flag within its range (checks.PREDICT: predict.py's)
-    crop = checks.check_args(args, use_cuda)   # main.py: what several flags say together, and this machine
-    checks.check_model_fits(args, crop)        # again once --output-stride is known (a checkpoint's)
+    checks.check_args(args, use_cuda)          # main.py: what several flags say together, and this machine
+    checks.check_model_fits(args)              # again once --output-stride is known (a checkpoint's)
     autocast = checks.autocast(args, use_cuda) # predict.py's --amp context (main.py's lesson makes its own)
 """
 import contextlib
@@ -37,14 +37,10 @@ class Range(NamedTuple):
         return " and ".join(bounds) or "finite"
 
 
-# --dist-timeout at most a week: a hung peer can hold every GPU idle that long, and a longer value is more likely a
-# typo than a wish. (Not a limit of timedelta, which holds up to 999,999,999 days.)
-WEEK_MINUTES = 7 * 24 * 60
-# And at least 6 s: a shorter one can fail the healthy collectives of a slow machine (forming the group, the first
-# broadcast of the weights), and the line then blames a lost peer for what the flag did.
-SHORTEST_TIMEOUT_MINUTES = 0.1
-
 # main.py's number flags: {dest: (the flag as --help names it, its range)}. The numbers of --eval-* are inference.py's.
+# --dist-timeout: at least 6 s (a shorter one can fail the healthy collectives of a slow machine, and the line then
+# blames a lost peer for what the flag did), at most a week (a hung peer could hold every GPU idle that long; and
+# timedelta holds no more than 999,999,999 days).
 MAIN = {
     "crop_size": ("--crop-size", Range(1)), "scale_range": ("--scale-range", Range(0, low_open=True)),
     "color_jitter": ("--color-jitter", Range(0, 1)), "workers": ("-j/--workers", Range(0)),
@@ -54,7 +50,7 @@ MAIN = {
     "lr": ("--lr", Range(0, low_open=True)), "backbone_lr": ("--backbone-lr", Range(0)),
     "momentum": ("--momentum", Range(0, 1, high_open=True)),  # a momentum of 1 never forgets, above 1 diverges
     "weight_decay": ("--wd/--weight-decay", Range(0)), "print_freq": ("-p/--print-freq", Range(1)),
-    "seed": ("--seed", Range(0)), "dist_timeout": ("--dist-timeout", Range(SHORTEST_TIMEOUT_MINUTES, WEEK_MINUTES)),
+    "seed": ("--seed", Range(0)), "dist_timeout": ("--dist-timeout", Range(0.1, 7 * 24 * 60)),
     "check_only": ("--check-only", Range(1)), "local_rank": ("--local-rank", Range(0)),
     "eval_scales": ("--eval-scales", Range(0, low_open=True)), "eval_crop": ("--eval-crop", Range(8)),
     "eval_stride": ("--eval-stride", Range(1)),
@@ -96,9 +92,8 @@ def autocast(args, use_cuda):
 
 def check_args(args, use_cuda):
     """What several of main.py's flags say together, what this machine can do, and the folders they name
-    (paths.py). -> the crop as (height, width)."""
-    crop_size = args.crop_size * 2 if len(args.crop_size) == 1 else args.crop_size
-    if len(crop_size) != 2 or min(crop_size) < 8:
+    (paths.py)."""
+    if len(args.crop_size) > 2 or min(args.crop_size) < 8:
         fail(f"--crop-size {' '.join(map(str, args.crop_size))}: give one or two numbers of at least 8")
     if args.scale_range[0] > args.scale_range[1]:
         fail(f"--scale-range {args.scale_range[0]:g} {args.scale_range[1]:g}: the first is the smallest scale")
@@ -132,12 +127,16 @@ def check_args(args, use_cuda):
             importlib.import_module("torch.utils.tensorboard")  # optional: not in requirements.txt
         except ImportError:
             fail("--tensorboard needs TensorBoard, which is not installed: pip install tensorboard")
-    check_model_fits(args, crop_size)
+    check_model_fits(args)
     paths.check_run_folders(args)  # --output-dir, --save-predictions, --cache-dir: not files, not in the data
-    return crop_size
 
 
-def check_model_fits(args, crop_size):
+def crop(args):
+    """--crop-size as (height, width): one number is a square."""
+    return (args.crop_size * 2)[:2]
+
+
+def check_model_fits(args):
     """The model can be built at this output stride, and the crop holds enough for BatchNorm: with the flags
     (check_args), and again once --model and --output-stride are known (given, or the checkpoint's). The deepest
     feature map is the crop over the output stride; with one image and one value per channel there, BatchNorm
@@ -146,7 +145,8 @@ def check_model_fits(args, crop_size):
         fail(f"--output-stride 8 with --model {args.model}: MobileNetV3's backbone has output stride 16 only")
     # Not known yet (a checkpoint's): MobileNetV3's one stride, or the ResNets' smaller; checked again once known.
     stride = args.output_stride or (16 if args.model and "mobilenet" in args.model else 8)
-    deepest = math.ceil(crop_size[0] / stride) * math.ceil(crop_size[1] / stride)
+    height, width = crop(args)
+    deepest = math.ceil(height / stride) * math.ceil(width / stride)
     if not args.evaluate and args.batch_size * deepest < 2:
         fail(f"--crop-size {' '.join(map(str, args.crop_size))} with -b {args.batch_size}: the deepest feature map "
              f"is 1x1 for one image, too little for BatchNorm; use a crop of at least {2 * stride} or -b 2")

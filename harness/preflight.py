@@ -19,7 +19,7 @@ import torch
 
 from . import checkpoints, checks, inference, job, paths, records, stops
 from dataset import IGNORE_INDEX
-from .errors import NOTHING_TO_TRAIN, BadInput, Finished, fail
+from .errors import NOTHING_TO_TRAIN, Finished, fail
 from .job import RUN, log, named
 from models import MODEL_NAMES
 
@@ -114,10 +114,9 @@ def check_data_and_make_outputs(args, train_set, val_set, checkpoint):
     check passed, makes the output folders (before init_process_group, which the other ranks wait in), rewrites the
     run's files to begin at the checkpoint's position, and opens TensorBoard's writer; and from here a stop saves
     first (the stop phases' next: stops.PHASES)."""
-    crop_size = args.crop_size * 2 if len(args.crop_size) == 1 else args.crop_size
-    checks.check_model_fits(args, crop_size)  # --model is known now: the checkpoint's, unless given
+    checks.check_model_fits(args)  # --model is known now: the checkpoint's, unless given
     world_size = args.check_only or job.get_world_size()
-    check_data(args, crop_size, train_set, val_set, world_size)
+    check_data(args, train_set, val_set, world_size)
     records.check_predictions_folder(args, val_set)  # no data set's masks replaced by predictions
     if args.check_only:
         # main.py train()'s test for a resumed checkpoint, and its line word for word
@@ -144,15 +143,12 @@ def check_data_and_make_outputs(args, train_set, val_set, checkpoint):
             f"{args.resume or 'its start (no checkpoint was written before it)'}")
 
 
-def check_data(args, crop_size, train_set, val_set, world_size):
+def check_data(args, train_set, val_set, world_size):
     """The val set (and the train set, but with -e, which opens none), checked the same way on every rank before any
     training time is spent: every file's header read, every val label decoded (and every mask of your own data); a
     val set with no labelled pixel refused; classes that no training mask shows, masks that are mostly ignore, and
     crops larger than every image said; the processes and the global batch against the images."""
-    try:
-        val_counts, _ = val_set.check_files(decode_labels=True)  # found now, not after the first epoch
-    except BadInput as error:
-        fail(error)
+    val_counts, _ = val_set.check_files(decode_labels=True)  # found now, not after the first epoch (BadInput)
     names, data = val_set.classes["names"], named("--data")
     if not val_counts[:len(names)].any():
         fail(f"the val labels of {data} {args.data} hold no pixel of any class, only ignored ones: mIoU would be "
@@ -161,15 +157,12 @@ def check_data(args, crop_size, train_set, val_set, world_size):
     if world_size > len(val_set):
         fail(f"{world_size} processes but only {len(val_set)} val images: use at most {len(val_set)} processes{in_all}")
     if train_set is not None:
-        _check_training_data(args, crop_size, train_set, val_set, world_size)
+        _check_training_data(args, train_set, val_set, world_size)
 
 
-def _check_training_data(args, crop_size, train_set, val_set, world_size):
+def _check_training_data(args, train_set, val_set, world_size):
     """check_data's part for training: the train set's files; what it lacks or holds twice said; the global batch."""
-    try:
-        train_counts, mostly_ignored = train_set.check_files()
-    except BadInput as error:
-        fail(error)
+    train_counts, mostly_ignored = train_set.check_files()
     names, data = train_set.classes["names"], named("--data")
     if train_counts is not None:  # your own data: every mask decoded
         absent = [name for index, name in enumerate(names) if not train_counts[index]]
@@ -189,7 +182,7 @@ def _check_training_data(args, crop_size, train_set, val_set, world_size):
             f"byte for byte (e.g. {shared[0][0]} and {shared[0][1]}): the val mIoU then measures what the model has "
             "seen, not how it does on new images; keep each image in one split")
     largest = train_set.largest  # (height, width), from the headers check_files read
-    reach = [side * args.scale_range[1] for side in largest]
+    reach, crop_size = [side * args.scale_range[1] for side in largest], checks.crop(args)
     if crop_size[0] > reach[0] or crop_size[1] > reach[1]:
         fits = f"{int(min(crop_size[0], reach[0]))} {int(min(crop_size[1], reach[1]))}"
         scaled = f", scaled up to {args.scale_range[1]:g}x" if args.scale_range[1] != 1 else ""

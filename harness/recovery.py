@@ -259,7 +259,7 @@ def out_of_memory(error):
     window = f"in windows of {crop[0]}x{crop[-1]} (--eval-crop)" if crop else "whole, at full resolution"
     windows = "a smaller --eval-crop" if crop else "a sliding window, --eval-crop 769 (mmsegmentation's)"
     if phase == "a training step":
-        height, width = (args.crop_size * 2)[:2]
+        height, width = checks.crop(args)
         settings = f"-b {args.batch_size} per process x --accum-steps {args.accum_steps}, crop {height}x{width}"
         tries += [_smaller_batch(args.batch_size, args.accum_steps), "a smaller --crop-size"]
     elif phase == "the evaluation":
