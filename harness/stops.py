@@ -113,12 +113,6 @@ def restore():
             setattr(sys, name, getattr(sys, name).stream)
 
 
-def _send_nowhere(fd):
-    nowhere = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(nowhere, fd)
-    os.close(nowhere)
-
-
 class _Terminal:
     """sys.stdout or sys.stderr while a training run prints. A write that a closed terminal refuses (EIO; a closed
     pipe: EPIPE) sends what it prints nowhere from then on; one a full disk refuses (a log file) loses that line.
@@ -132,11 +126,12 @@ class _Terminal:
         try:
             return method(*args)
         except OSError as error:
-            if error.errno in (errno.EIO, errno.EPIPE):
-                _send_nowhere(self.stream.fileno())
+            if error.errno in (errno.EIO, errno.EPIPE):  # from now on, nowhere
+                nowhere = os.open(os.devnull, os.O_WRONLY)
+                os.dup2(nowhere, self.stream.fileno())
+                os.close(nowhere)
             elif error.errno not in (errno.ENOSPC, errno.EDQUOT):
                 raise
-            return None
 
     def write(self, text):
         self._guarded(self.stream.write, text)
@@ -303,9 +298,7 @@ def save_if_stopped(epoch, step, steps_per_epoch, save):
             save(step)
             if RUN.stops.problem:  # no collective follows: rank 0 says it and ends; the others end as stopped
                 fail(RUN.stops.problem, this_rank=True)
-        log(f"stopped by signal {stop_signal() or 'on another rank'} at epoch {epoch} step {step}/{steps_per_epoch}; "
-            f"saved {job.checkpoint_path()}. To resume, {job.resume_advice()}")
-        raise Finished
+        _stopped(f"{stop_signal() or 'on another rank'} at epoch {epoch} step {step}/{steps_per_epoch}")
 
 
 def ranks_vote_after_epoch(last=False):
@@ -321,10 +314,13 @@ def ranks_vote_after_epoch(last=False):
     signal_seen, write_failed_somewhere = flags.tolist()
     if write_failed_somewhere:
         fail(RUN.stops.problem or "rank 0 could not write this epoch's files")  # rank 0 has the line and says it
-    if not signal_seen:
-        return
-    if last:
+    if signal_seen and last:
         log("a stop was asked for at the end of the last epoch: training had finished, nothing is left to stop")
-        return
-    log(f"stopped by signal after an epoch; saved {job.checkpoint_path()}. To resume, {job.resume_advice()}")
+    elif signal_seen:
+        _stopped("after an epoch")
+
+
+def _stopped(where):
+    """Every rank ends the run, its checkpoint saved: exit 0."""
+    log(f"stopped by signal {where}; saved {job.checkpoint_path()}. To resume, {job.resume_advice()}")
     raise Finished
