@@ -85,19 +85,18 @@ def _evaluate_as_the_run_did(args, saved, path):
     (main.py's build() takes its --amp; fp16, which runs on CUDA alone here, is bf16 on the CPU) and in its window
     (--eval-crop, --eval-stride), unless given here. One line says what it takes from the checkpoint, or how it
     evaluates otherwise than the run did."""
-    def mode_of(crop, stride, scales=None, flip=False):
-        return inference.read_mode(SimpleNamespace(eval_crop=crop, eval_stride=stride, eval_scales=scales,
-                                                   eval_flip=flip))
-    run_mode = mode_of(saved.get("eval_crop"), saved.get("eval_stride"))
+    run_mode = inference.read_mode(SimpleNamespace(eval_crop=saved.get("eval_crop"), eval_scales=None,
+                                                   eval_stride=saved.get("eval_stride"), eval_flip=False))
     if args.eval_crop is None and args.eval_stride is None:
         args.eval_crop, args.eval_stride = saved.get("eval_crop"), saved.get("eval_stride")
-    elif args.eval_stride is None and run_mode and mode_of(args.eval_crop, None).crop == run_mode.crop:
+    mode = inference.read_mode(args)
+    if args.eval_stride is None and run_mode and mode.crop == run_mode.crop:
         args.eval_stride = saved.get("eval_stride")  # the run's window, written another way: its stride too
+        mode = inference.read_mode(args)
     theirs = saved.get("amp") or "off"
     if args.amp is None and theirs == "fp16" and not torch.cuda.is_available():
         args.amp = "bf16"  # (checks.autocast: fp16 on CUDA alone)
     ours = checks.native_amp(torch.cuda.is_available()) if args.amp == "auto" else args.amp or theirs
-    mode = mode_of(args.eval_crop, args.eval_stride, args.eval_scales, args.eval_flip)
     differs = ([f"--amp {ours} (the run's: {theirs})"] if ours != theirs else []) + \
         ([f"{inference.describe(mode)} (the run's: {inference.describe(run_mode)})"] if mode != run_mode else [])
     kept = ([f"--amp {theirs}"] if theirs != "off" else []) + ([inference.describe(run_mode)] if run_mode else [])
