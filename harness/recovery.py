@@ -232,9 +232,9 @@ def memory_figures():
     """(this process's device, its memory in GiB, the peak this process reached in GiB, as the log shows it: a
     GPU's peak allocated, or the CPU's peak resident set)."""
     if torch.cuda.is_available():
-        device = torch.device("cuda", torch.cuda.current_device())
-        total = torch.cuda.get_device_properties(device).total_memory
-        return f"GPU {device.index}", total / 2**30, torch.cuda.max_memory_allocated(device) / 2**30
+        gpu = torch.cuda.current_device()
+        total = torch.cuda.get_device_properties(gpu).total_memory
+        return f"GPU {gpu}", total / 2**30, torch.cuda.max_memory_allocated(gpu) / 2**30
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return "the CPU", total / 2**30, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
@@ -334,12 +334,10 @@ def _say_record_and_exit(message, say_it):
         print(f"{RUN.guard.program}: error: {message}", file=sys.stderr, flush=True)
         if get_world_size() > 1 or job.env().run_id is not None:
             record = {"run_id": job.env().run_id or "", "time": time.time(), "message": message}
-            for path in _stop_files():
-                try:  # (ranks that fail together each write a temporary file of their own)
+            for path in _stop_files():  # the first that takes it; none: restarts may repeat the line, nothing worse
+                with suppress(OSError):  # (ranks that fail together each write a temporary file of their own)
                     paths.write_atomically(path, json.dumps(record).encode(), durable=False)
                     break
-                except OSError:
-                    pass  # nowhere to write: restarts may repeat the line, nothing worse
     if dist.is_initialized() and get_world_size() > 1:
         paths.release_output()
         os._exit(1)  # peers may be inside a collective with us: tearing the process group down can hang
@@ -355,13 +353,10 @@ def _stop_records():
     """[(path, record)] of the records that can be read, in _stop_files' order (a file of another kind is none)."""
     records = []
     for path in _stop_files():
-        try:
+        with suppress(OSError, ValueError, TypeError, KeyError):  # (unreadable, or no record: JSON of another kind)
             with open(path) as f:
                 record = json.load(f)
-        except (OSError, ValueError):
-            continue
-        if isinstance(record, dict) and isinstance(record.get("time"), (int, float)):
-            records.append((path, record))
+            records.append((path, {**record, "time": float(record["time"])}))
     return records
 
 
