@@ -23,7 +23,7 @@ import torchvision
 from PIL import Image, ImageDraw
 
 from harness import paths
-from harness.checks import Range, check_numbers
+from harness.checks import check_numbers
 from harness.errors import UserError
 from dataset import IGNORE_INDEX, palette_of
 
@@ -276,9 +276,10 @@ def get_args_parser():
     return parser
 
 
-RANGES = {"num_train": ("--num-train", Range(1)), "num_val": ("--num-val", Range(1)),
-          "num_test": ("--num-test", Range(0)), "size": ("--size", Range(16)), "seed": ("--seed", Range(0)),
-          "unique": ("--unique", Range(1)), "workers": ("-j/--workers", Range(0))}
+RANGES = {"num_train": ("--num-train", ("at least", 1)), "num_val": ("--num-val", ("at least", 1)),
+          "num_test": ("--num-test", ("at least", 0)), "size": ("--size", ("at least", 16)),
+          "seed": ("--seed", ("at least", 0)), "unique": ("--unique", ("at least", 1)),
+          "workers": ("-j/--workers", ("at least", 0))}
 
 
 def _stop(signum, frame):
