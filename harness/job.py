@@ -186,8 +186,7 @@ def log(*message):
 
 
 def remember_command(args, quiet=False):
-    """What this run's command holds that advice must not repeat (a --resume PATH, --overwrite), where it writes,
-    and whether it speaks (--check-only says only a mistake, or that there is nothing left to train)."""
+    """RUN.command from the flags (Command)."""
     RUN.command = Command(
         resume=f"--resume {args.resume}" if getattr(args, "resume", "") not in ("", "auto") else None,
         overwrite="--overwrite" if getattr(args, "overwrite", False) else None, quiet=quiet,

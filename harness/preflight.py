@@ -5,11 +5,8 @@ worker and again after each of torchrun's restarts. main.py calls it twice, befo
     args.resume = preflight.check_flags_and_hold_output(args)
     preflight.check_data_and_make_outputs(args, train_set, val_set, checkpoint)
 
-The first checks the flags, holds --output-dir before anything there is read (it writes OUTPUT_DIR/.held, and makes
-a new folder for it), checks that nothing there is in the way of the run's files, reads the checkpoint the run
-starts from, and completes args: after it, the harness changes nothing of args. The second checks the data and the
-model, and --check-only ends there, having written nothing; then rank 0 makes the folders and rewrites the run's
-files to go on from the checkpoint, TensorBoard's writer opens, and from then on a stop saves first.
+The first holds --output-dir, reads the checkpoint the run starts from and completes args (after it, the harness
+changes nothing of args); the second checks the data, ends --check-only, and makes the run's folders.
 """
 import hashlib
 import os

@@ -176,7 +176,7 @@ def _lost_peer(error):
 
 
 # --- out of memory -----------------------------------------------------------------------------------------
-_PHASES = {"train_one_epoch": "a training step", "evaluate": "the evaluation", "run_batch": "a prediction"}
+_RAN_OUT_IN = {"train_one_epoch": "a training step", "evaluate": "the evaluation", "run_batch": "a prediction"}
 
 
 def is_cpu_out_of_memory(error):
@@ -248,8 +248,8 @@ def _smaller_batch(batch, accum_steps):
 def out_of_memory(error):
     """The one line for torch.OutOfMemoryError: what ran out (told by the function it was raised in), with which
     settings, the device's memory, and what to change, in the flags of the program that ran out."""
-    phase = next((_PHASES[frame.name] for frame in reversed(traceback.extract_tb(error.__traceback__))
-                  if frame.name in _PHASES and os.path.basename(frame.filename) in ("main.py", "predict.py")),
+    phase = next((_RAN_OUT_IN[frame.name] for frame in reversed(traceback.extract_tb(error.__traceback__))
+                  if frame.name in _RAN_OUT_IN and os.path.basename(frame.filename) in ("main.py", "predict.py")),
                  "setting up")
     args, (device, total, peak) = RUN.guard.args, memory_figures()
     native, amp = checks.native_amp(torch.cuda.is_available()), getattr(args, "amp", None)
@@ -323,13 +323,12 @@ def _say_record_and_exit(message, say_it):
     word: rank 0's to say."""
     if not say_it and get_world_size() > 1:
         deadline = time.monotonic() + RANK_0_SAYS_IT_S
-        try:
+        # (A stop raised here, inside guard's except clause, would escape guard with a traceback.)
+        with suppress(stops.Interrupted, KeyboardInterrupt):
             while not _peer_stopped_on_a_mistake() and time.monotonic() < deadline:
                 time.sleep(0.05)
             if not _peer_stopped_on_a_mistake() and get_rank() == 1:
                 message, say_it = f"rank 1: {message}", True
-        except (stops.Interrupted, KeyboardInterrupt):
-            pass  # raised here, inside guard's except clause, it would escape guard with a traceback
     if say_it:
         print(f"{RUN.guard.program}: error: {message}", file=sys.stderr, flush=True)
         if get_world_size() > 1 or job.env().run_id is not None:
