@@ -19,7 +19,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.realpath(__file__)))  # this folder's modules under python -I too
 from harness import recovery  # (before torchvision: it checks the temporary folder torchvision's import needs)
-from harness.checks import Range, check_numbers
+from harness.checks import check_numbers
 import numpy as np
 import torch
 from PIL import Image
@@ -608,8 +608,8 @@ def bench_dp_vs_ddp(batch, crop, steps, warmup):
         print(f"{name:<14} {rate:8.1f} {rate / dp_rate:6.2f}  " + " ".join(f"{m:.2f}" for m in memory))
 
 
-RANGES = {"batch": ("--batch", Range(1)), "crop": ("--crop", Range(16)), "steps": ("--steps", Range(1)),
-          "warmup": ("--warmup", Range(0))}
+RANGES = {"batch": ("--batch", ("at least", 1)), "crop": ("--crop", ("at least", 16)),
+          "steps": ("--steps", ("at least", 1)), "warmup": ("--warmup", ("at least", 0))}
 
 
 def get_args_parser():

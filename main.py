@@ -528,7 +528,7 @@ def main(args):
         recovery.start_heartbeat(args.dist_timeout)  # harness: says what it waits for; then each rank's heartbeat
         dist.init_process_group(backend=args.dist_backend or ("nccl" if use_cuda else "gloo"),
                                 timeout=timedelta(minutes=args.dist_timeout))
-        stops.process_group_formed()  # harness: from here a stop saves first (during init_process_group, one ends it)
+        stops.enter("training")  # harness: from here a stop saves first (during init_process_group, one ends it)
     args.amp = amp_of_the_job(args.amp, device)  # --amp alone: bf16 where every GPU runs it natively, else fp16
     log(f"{get_world_size()} process(es), backend {dist.get_backend() if distributed else 'none'}, device "
         f"{device.type}, global batch {global_batch(args)} (-b {args.batch_size} x {get_world_size()} process(es) "

@@ -19,7 +19,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.realpath(__file__)))  # this folder's modules under python -I too
 from harness import paths, recovery, stops  # (before torchvision: it checks the temporary folder its import needs)
-from harness.checks import Range, check_numbers
+from harness.checks import check_numbers
 import numpy as np
 import torchvision
 from PIL import Image, ImageDraw
@@ -269,9 +269,10 @@ def get_args_parser():
     return parser
 
 
-RANGES = {"num_train": ("--num-train", Range(1)), "num_val": ("--num-val", Range(1)),
-          "num_test": ("--num-test", Range(0)), "size": ("--size", Range(16)), "seed": ("--seed", Range(0)),
-          "unique": ("--unique", Range(1)), "workers": ("-j/--workers", Range(0))}
+RANGES = {"num_train": ("--num-train", ("at least", 1)), "num_val": ("--num-val", ("at least", 1)),
+          "num_test": ("--num-test", ("at least", 0)), "size": ("--size", ("at least", 16)),
+          "seed": ("--seed", ("at least", 0)), "unique": ("--unique", ("at least", 1)),
+          "workers": ("-j/--workers", ("at least", 0))}
 
 
 if __name__ == "__main__":

@@ -3,15 +3,15 @@ machine can do. main.py and predict.py parse with plain argparse types (int, flo
 mistake in one line that names the flag and its bound (errors.fail), before a model or a process group exists.
 
     checks.check_numbers(args, checks.MAIN)   # each number flag within its range (checks.PREDICT: predict.py's)
-    crop = checks.check_args(args, use_cuda)   # main.py: what several flags say together, and this machine
-    checks.check_model_fits(args, crop)        # again once --output-stride is known (a checkpoint's)
+    checks.check_args(args, use_cuda)          # main.py: what several flags say together, and this machine
+    checks.check_model_fits(args)              # again once --output-stride is known (a checkpoint's)
     autocast = checks.autocast(args, use_cuda) # predict.py's --amp context (main.py's lesson makes its own)
 """
 import contextlib
 import functools
 import importlib
 import math
-from typing import NamedTuple
+import operator
 
 import torch
 
@@ -19,58 +19,41 @@ from . import job, paths
 from .errors import fail
 
 
-class Range(NamedTuple):
-    """The values a number flag takes: [low, high], either end open or absent (None)."""
-    low: float | None = None
-    high: float | None = None
-    low_open: bool = False
-    high_open: bool = False
+# A number flag's bounds, each (words, number): the words say it in the line, and name its test here.
+BOUNDS = {"at least": operator.ge, "above": operator.gt, "at most": operator.le, "below": operator.lt}
 
-    def holds(self, value):
-        above = self.low is None or (value > self.low if self.low_open else value >= self.low)
-        below = self.high is None or (value < self.high if self.high_open else value <= self.high)
-        return math.isfinite(value) and above and below
-
-    def __str__(self):
-        bounds = ([f"{'above' if self.low_open else 'at least'} {self.low:g}"] if self.low is not None else []) + \
-                 ([f"{'below' if self.high_open else 'at most'} {self.high:g}"] if self.high is not None else [])
-        return " and ".join(bounds) or "finite"
-
-
-# --dist-timeout at most a week: a hung peer can hold every GPU idle that long, and a longer value is more likely a
-# typo than a wish. (Not a limit of timedelta, which holds up to 999,999,999 days.)
-WEEK_MINUTES = 7 * 24 * 60
-# And at least 6 s: a shorter one can fail the healthy collectives of a slow machine (forming the group, the first
-# broadcast of the weights), and the line then blames a lost peer for what the flag did.
-SHORTEST_TIMEOUT_MINUTES = 0.1
-
-# main.py's number flags: {dest: (the flag as --help names it, its range)}. The numbers of --eval-* are inference.py's.
+# main.py's number flags: {dest: (the flag as --help names it, its bounds...)}. The numbers of --eval-* are
+# inference.py's. --dist-timeout: at least 6 s (a shorter one can fail the healthy collectives of a slow machine, and
+# the line then blames a lost peer for what the flag did), at most a week (a hung peer could hold every GPU idle that
+# long; and timedelta holds no more than 999,999,999 days).
 MAIN = {
-    "crop_size": ("--crop-size", Range(1)), "scale_range": ("--scale-range", Range(0, low_open=True)),
-    "color_jitter": ("--color-jitter", Range(0, 1)), "workers": ("-j/--workers", Range(0)),
-    "epochs": ("--epochs", Range(1)), "start_epoch": ("--start-epoch", Range(0)),
-    "batch_size": ("-b/--batch-size", Range(1)), "accum_steps": ("--accum-steps", Range(1)),
-    "base_batch": ("--base-batch", Range(1)),
-    "lr": ("--lr", Range(0, low_open=True)), "backbone_lr": ("--backbone-lr", Range(0)),
-    "momentum": ("--momentum", Range(0, 1, high_open=True)),  # a momentum of 1 never forgets, above 1 diverges
-    "weight_decay": ("--wd/--weight-decay", Range(0)), "print_freq": ("-p/--print-freq", Range(1)),
-    "seed": ("--seed", Range(0)), "dist_timeout": ("--dist-timeout", Range(SHORTEST_TIMEOUT_MINUTES, WEEK_MINUTES)),
-    "check_only": ("--check-only", Range(1)), "local_rank": ("--local-rank", Range(0)),
-    "eval_scales": ("--eval-scales", Range(0, low_open=True)), "eval_crop": ("--eval-crop", Range(8)),
-    "eval_stride": ("--eval-stride", Range(1)),
+    "crop_size": ("--crop-size", ("at least", 1)), "scale_range": ("--scale-range", ("above", 0)),
+    "color_jitter": ("--color-jitter", ("at least", 0), ("at most", 1)), "workers": ("-j/--workers", ("at least", 0)),
+    "epochs": ("--epochs", ("at least", 1)), "start_epoch": ("--start-epoch", ("at least", 0)),
+    "batch_size": ("-b/--batch-size", ("at least", 1)), "accum_steps": ("--accum-steps", ("at least", 1)),
+    "base_batch": ("--base-batch", ("at least", 1)),
+    "lr": ("--lr", ("above", 0)), "backbone_lr": ("--backbone-lr", ("at least", 0)),
+    "momentum": ("--momentum", ("at least", 0), ("below", 1)),  # a momentum of 1 never forgets, above 1 diverges
+    "weight_decay": ("--wd/--weight-decay", ("at least", 0)), "print_freq": ("-p/--print-freq", ("at least", 1)),
+    "seed": ("--seed", ("at least", 0)), "dist_timeout": ("--dist-timeout", ("at least", 0.1), ("at most", 7 * 24 * 60)),
+    "check_only": ("--check-only", ("at least", 1)), "local_rank": ("--local-rank", ("at least", 0)),
+    "eval_scales": ("--eval-scales", ("above", 0)), "eval_crop": ("--eval-crop", ("at least", 8)),
+    "eval_stride": ("--eval-stride", ("at least", 1)),
 }
 PREDICT = {key: MAIN[key] for key in ("workers", "dist_timeout", "eval_scales", "eval_crop", "eval_stride")} | {
-    "alpha": ("--alpha", Range(0, 1)), "batch_size": ("-b/--batch-size", Range(1))}
+    "alpha": ("--alpha", ("at least", 0), ("at most", 1)), "batch_size": ("-b/--batch-size", ("at least", 1))}
 
 
 def check_numbers(args, ranges):
-    """Every number flag of args within its range (a flag given several numbers: each of them); else one line."""
-    for dest, (flag, allowed) in ranges.items():
+    """Every number flag of args finite and within its bounds (a flag given several numbers: each of them); else one
+    line."""
+    for dest, (flag, *bounds) in ranges.items():
         value = getattr(args, dest, None)
         for number in value if isinstance(value, (list, tuple)) else [value]:
-            if number is not None and not allowed.holds(number):
-                fail(f"{flag}: {number:g} must be {allowed}" if isinstance(number, float) else
-                     f"{flag}: {number} must be {allowed}")
+            if number is not None and not (math.isfinite(number) and all(BOUNDS[words](number, bound)
+                                                                         for words, bound in bounds)):
+                said = f"{number:g}" if isinstance(number, float) else number
+                fail(f"{flag}: {said} must be {' and '.join(f'{words} {bound:g}' for words, bound in bounds)}")
 
 
 def native_amp(use_cuda):
@@ -96,9 +79,8 @@ def autocast(args, use_cuda):
 
 def check_args(args, use_cuda):
     """What several of main.py's flags say together, what this machine can do, and the folders they name
-    (paths.py). -> the crop as (height, width)."""
-    crop_size = args.crop_size * 2 if len(args.crop_size) == 1 else args.crop_size
-    if len(crop_size) != 2 or min(crop_size) < 8:
+    (paths.py)."""
+    if len(args.crop_size) > 2 or min(args.crop_size) < 8:
         fail(f"--crop-size {' '.join(map(str, args.crop_size))}: give one or two numbers of at least 8")
     if args.scale_range[0] > args.scale_range[1]:
         fail(f"--scale-range {args.scale_range[0]:g} {args.scale_range[1]:g}: the first is the smallest scale")
@@ -132,12 +114,16 @@ def check_args(args, use_cuda):
             importlib.import_module("torch.utils.tensorboard")  # optional: not in requirements.txt
         except ImportError:
             fail("--tensorboard needs TensorBoard, which is not installed: pip install tensorboard")
-    check_model_fits(args, crop_size)
+    check_model_fits(args)
     paths.check_run_folders(args)  # --output-dir, --save-predictions, --cache-dir: not files, not in the data
-    return crop_size
 
 
-def check_model_fits(args, crop_size):
+def crop(args):
+    """--crop-size as (height, width): one number is a square."""
+    return (args.crop_size * 2)[:2]
+
+
+def check_model_fits(args):
     """The model can be built at this output stride, and the crop holds enough for BatchNorm: with the flags
     (check_args), and again once --model and --output-stride are known (given, or the checkpoint's). The deepest
     feature map is the crop over the output stride; with one image and one value per channel there, BatchNorm
@@ -146,7 +132,8 @@ def check_model_fits(args, crop_size):
         fail(f"--output-stride 8 with --model {args.model}: MobileNetV3's backbone has output stride 16 only")
     # Not known yet (a checkpoint's): MobileNetV3's one stride, or the ResNets' smaller; checked again once known.
     stride = args.output_stride or (16 if args.model and "mobilenet" in args.model else 8)
-    deepest = math.ceil(crop_size[0] / stride) * math.ceil(crop_size[1] / stride)
+    height, width = crop(args)
+    deepest = math.ceil(height / stride) * math.ceil(width / stride)
     if not args.evaluate and args.batch_size * deepest < 2:
         fail(f"--crop-size {' '.join(map(str, args.crop_size))} with -b {args.batch_size}: the deepest feature map "
              f"is 1x1 for one image, too little for BatchNorm; use a crop of at least {2 * stride} or -b 2")

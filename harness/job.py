@@ -65,12 +65,11 @@ class Stops:
     """What stops.py knows of stopping: the signal seen, the ranks' vote, a file rank 0 could not write."""
     signal: int | None = None           # the first stop signal this process received
     signal_time: float = 0.0            # when (a second one, a second or more later, stops at once)
-    handlers: dict | None = None        # the stop signals' handlers before this run, which restore() puts back
+    handlers: dict | None = None        # a training run's: the stop signals' handlers before it, for restore()
     vote: object = None                 # the stops.StopVote of this epoch's steps, made at its first step
     decision: str | None = None         # the epoch's first decision to stop: "signal" or "nonfinite"
     steps: int = 0                      # optimizer steps voted on, for the heartbeat
-    deferring: bool = False             # inside stops.deferred(): a stop ends the run after its writes
-    begun: bool = False                 # the preflight has ended: from here a stop saves first
+    phase: str | None = None            # where a training run is: a key of stops.PHASES (stops.enter)
     problem: str | None = None          # the line of a file rank 0 could not write, until the ranks stop on it
 
 
@@ -114,13 +113,14 @@ def begin_run():
 
 
 def _whole_number(name, default, low=0, high=None, advice="set it as a launcher does (torchrun sets RANK, "
-                  "WORLD_SIZE and LOCAL_RANK itself), or unset it"):
+                  "WORLD_SIZE and LOCAL_RANK itself), or unset it", listed=False):
     """The environment variable name as a whole number in [low, high] (default when it is not set); else one line
-    that names it, its value and what to set."""
+    that names it, its value and what to set. listed: the first of a comma-separated list (OMP_NUM_THREADS's
+    nested levels)."""
     text = os.environ.get(name)
     if text is None:
         return default
-    digits = text.strip()
+    digits = (text.split(",")[0] if listed else text).strip()
     value = int(digits) if digits.isascii() and digits.isdecimal() else None
     if value is None or value < low or (high is not None and value > high):
         bound = f"from {low} to {high}" if high is not None else f"of at least {low}"
@@ -140,19 +140,15 @@ def read_environment(program="main.py"):
         fail(f"{given} is set but {missing} is not: a process group needs both (or neither, for one plain process)")
     if rank >= world_size:
         fail(f"RANK={rank} but WORLD_SIZE={world_size}: ranks are numbered 0 to WORLD_SIZE-1")
-    if distributed and not os.environ.get("MASTER_ADDR"):
-        fail("RANK and WORLD_SIZE are set but MASTER_ADDR is not: set MASTER_ADDR and MASTER_PORT to where rank 0 "
-             "listens, or start the program with torchrun, which sets them")
+    for name in ("MASTER_ADDR", "MASTER_PORT") if distributed else ():
+        if not os.environ.get(name):
+            fail(f"RANK and WORLD_SIZE are set but {name} is not: set MASTER_ADDR and MASTER_PORT to where rank 0 "
+                 "listens (a free port there: 29500, say), or start the program with torchrun, which sets them")
     if distributed:
         _whole_number("MASTER_PORT", None, 1, 65535, "set it to a free port on rank 0's machine (29500, say)")
-        if "MASTER_PORT" not in os.environ:
-            fail("RANK and WORLD_SIZE are set but MASTER_PORT is not: set it to a free port on rank 0's machine "
-                 "(29500, say), or start the program with torchrun")
-    threads = os.environ.get("OMP_NUM_THREADS", "")  # torch's threads (libgomp only warns, and takes its own)
-    if threads and not (threads.split(",")[0].strip().isascii() and threads.split(",")[0].strip().isdecimal()
-                        and int(threads.split(",")[0]) >= 1):  # (a list, 4,2, gives nested levels theirs)
-        fail(f"the environment variable OMP_NUM_THREADS={threads!r} is not a whole number of at least 1: set the "
-             "threads each process may use (the machine's cores over the processes), or unset it")
+    # torch's threads: libgomp only warns of a bad value, and takes every core
+    _whole_number("OMP_NUM_THREADS", None, 1, advice="set the threads each process may use (the machine's cores "
+                  "over the processes), or unset it", listed=True)
     _whole_number("LOCAL_WORLD_SIZE", None, 1)  # (main.default_workers divides the cores by it)
     temporary = os.environ.get("TMPDIR")
     if temporary and not (os.path.isdir(temporary) and os.access(temporary, os.W_OK | os.X_OK)):
@@ -163,7 +159,6 @@ def read_environment(program="main.py"):
         distributed=distributed, master=f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}",
         restarts=_whole_number("TORCHELASTIC_RESTART_COUNT", 0), run_id=os.environ.get("TORCHELASTIC_RUN_ID"),
         under_run_sh=os.environ.get("DEEPLAB_RUN_SH") == "1", stop_file=os.environ.get("DEEPLAB_STOP_FILE") or None)
-    RUN.command = Command()
     return RUN.env
 
 
@@ -191,8 +186,7 @@ def log(*message):
 
 
 def remember_command(args, quiet=False):
-    """What this run's command holds that advice must not repeat (a --resume PATH, --overwrite), where it writes,
-    and whether it speaks (--check-only says only a mistake, or that there is nothing left to train)."""
+    """RUN.command from the flags (Command)."""
     RUN.command = Command(
         resume=f"--resume {args.resume}" if getattr(args, "resume", "") not in ("", "auto") else None,
         overwrite="--overwrite" if getattr(args, "overwrite", False) else None, quiet=quiet,

@@ -5,11 +5,8 @@ worker and again after each of torchrun's restarts. main.py calls it twice, befo
     args.resume = preflight.check_flags_and_hold_output(args)
     preflight.check_data_and_make_outputs(args, train_set, val_set, checkpoint)
 
-The first checks the flags, holds --output-dir before anything there is read (it writes OUTPUT_DIR/.held, and makes
-a new folder for it), checks that nothing there is in the way of the run's files, reads the checkpoint the run
-starts from, and completes args: after it, the harness changes nothing of args. The second checks the data and the
-model, and --check-only ends there, having written nothing; then rank 0 makes the folders and rewrites the run's
-files to go on from the checkpoint, TensorBoard's writer opens, and from then on a stop saves first.
+The first holds --output-dir, reads the checkpoint the run starts from and completes args (after it, the harness
+changes nothing of args); the second checks the data, ends --check-only, and makes the run's folders.
 """
 import hashlib
 import os
@@ -19,7 +16,7 @@ import torch
 
 from . import checkpoints, checks, inference, job, paths, records, stops
 from dataset import IGNORE_INDEX
-from .errors import NOTHING_TO_TRAIN, BadInput, Finished, fail
+from .errors import NOTHING_TO_TRAIN, Finished, fail
 from .job import RUN, log, named
 from models import MODEL_NAMES
 
@@ -85,19 +82,18 @@ def _evaluate_as_the_run_did(args, saved, path):
     (main.py's build() takes its --amp; fp16, which runs on CUDA alone here, is bf16 on the CPU) and in its window
     (--eval-crop, --eval-stride), unless given here. One line says what it takes from the checkpoint, or how it
     evaluates otherwise than the run did."""
-    def mode_of(crop, stride, scales=None, flip=False):
-        return inference.read_mode(SimpleNamespace(eval_crop=crop, eval_stride=stride, eval_scales=scales,
-                                                   eval_flip=flip))
-    run_mode = mode_of(saved.get("eval_crop"), saved.get("eval_stride"))
+    run_mode = inference.read_mode(SimpleNamespace(eval_crop=saved.get("eval_crop"), eval_scales=None,
+                                                   eval_stride=saved.get("eval_stride"), eval_flip=False))
     if args.eval_crop is None and args.eval_stride is None:
         args.eval_crop, args.eval_stride = saved.get("eval_crop"), saved.get("eval_stride")
-    elif args.eval_stride is None and run_mode and mode_of(args.eval_crop, None).crop == run_mode.crop:
+    mode = inference.read_mode(args)
+    if args.eval_stride is None and run_mode and mode.crop == run_mode.crop:
         args.eval_stride = saved.get("eval_stride")  # the run's window, written another way: its stride too
+        mode = inference.read_mode(args)
     theirs = saved.get("amp") or "off"
     if args.amp is None and theirs == "fp16" and not torch.cuda.is_available():
         args.amp = "bf16"  # (checks.autocast: fp16 on CUDA alone)
     ours = checks.native_amp(torch.cuda.is_available()) if args.amp == "auto" else args.amp or theirs
-    mode = mode_of(args.eval_crop, args.eval_stride, args.eval_scales, args.eval_flip)
     differs = ([f"--amp {ours} (the run's: {theirs})"] if ours != theirs else []) + \
         ([f"{inference.describe(mode)} (the run's: {inference.describe(run_mode)})"] if mode != run_mode else [])
     kept = ([f"--amp {theirs}"] if theirs != "off" else []) + ([inference.describe(run_mode)] if run_mode else [])
@@ -113,11 +109,10 @@ def check_data_and_make_outputs(args, train_set, val_set, checkpoint):
     nothing: exit 0, or errors.NOTHING_TO_TRAIN where the run it would resume has finished. Then rank 0, with every
     check passed, makes the output folders (before init_process_group, which the other ranks wait in), rewrites the
     run's files to begin at the checkpoint's position, and opens TensorBoard's writer; and from here a stop saves
-    first (stops.preflight_ended changes what the stop signals do)."""
-    crop_size = args.crop_size * 2 if len(args.crop_size) == 1 else args.crop_size
-    checks.check_model_fits(args, crop_size)  # --model is known now: the checkpoint's, unless given
+    first (the stop phases' next: stops.PHASES)."""
+    checks.check_model_fits(args)  # --model is known now: the checkpoint's, unless given
     world_size = args.check_only or job.get_world_size()
-    check_data(args, crop_size, train_set, val_set, world_size)
+    check_data(args, train_set, val_set, world_size)
     records.check_predictions_folder(args, val_set)  # no data set's masks replaced by predictions
     if args.check_only:
         # main.py train()'s test for a resumed checkpoint, and its line word for word
@@ -138,21 +133,18 @@ def check_data_and_make_outputs(args, train_set, val_set, checkpoint):
         steps_per_epoch = len(train_set) // job.global_batch(args, world_size)
         records.open_tensorboard(args, epoch * steps_per_epoch + step + 1)
     records.watch_predictions(val_set)  # a prediction that cannot be written costs the predictions, not the epoch
-    stops.preflight_ended()
+    stops.enter("meeting" if job.env().distributed else "training")
     if job.env().restarts and not args.evaluate:
         log(f"note: restart {job.env().restarts} by torchrun after a failure: the run goes on from "
             f"{args.resume or 'its start (no checkpoint was written before it)'}")
 
 
-def check_data(args, crop_size, train_set, val_set, world_size):
+def check_data(args, train_set, val_set, world_size):
     """The val set (and the train set, but with -e, which opens none), checked the same way on every rank before any
     training time is spent: every file's header read, every val label decoded (and every mask of your own data); a
     val set with no labelled pixel refused; classes that no training mask shows, masks that are mostly ignore, and
     crops larger than every image said; the processes and the global batch against the images."""
-    try:
-        val_counts, _ = val_set.check_files(decode_labels=True)  # found now, not after the first epoch
-    except BadInput as error:
-        fail(error)
+    val_counts, _ = val_set.check_files(decode_labels=True)  # found now, not after the first epoch (BadInput)
     names, data = val_set.classes["names"], named("--data")
     if not val_counts[:len(names)].any():
         fail(f"the val labels of {data} {args.data} hold no pixel of any class, only ignored ones: mIoU would be "
@@ -165,15 +157,12 @@ def check_data(args, crop_size, train_set, val_set, world_size):
     if world_size > len(val_set):
         fail(f"{world_size} processes but only {len(val_set)} val images: use at most {len(val_set)} processes{in_all}")
     if train_set is not None:
-        _check_training_data(args, crop_size, train_set, val_set, world_size)
+        _check_training_data(args, train_set, val_set, world_size)
 
 
-def _check_training_data(args, crop_size, train_set, val_set, world_size):
+def _check_training_data(args, train_set, val_set, world_size):
     """check_data's part for training: the train set's files; what it lacks or holds twice said; the global batch."""
-    try:
-        train_counts, mostly_ignored = train_set.check_files()
-    except BadInput as error:
-        fail(error)
+    train_counts, mostly_ignored = train_set.check_files()
     names, data = train_set.classes["names"], named("--data")
     if train_counts is not None:  # your own data: every mask decoded
         absent = [name for index, name in enumerate(names) if not train_counts[index]]
@@ -193,7 +182,7 @@ def _check_training_data(args, crop_size, train_set, val_set, world_size):
             f"byte for byte (e.g. {shared[0][0]} and {shared[0][1]}): the val mIoU then measures what the model has "
             "seen, not how it does on new images; keep each image in one split")
     largest = train_set.largest  # (height, width), from the headers check_files read
-    reach = [side * args.scale_range[1] for side in largest]
+    reach, crop_size = [side * args.scale_range[1] for side in largest], checks.crop(args)
     if crop_size[0] > reach[0] or crop_size[1] > reach[1]:
         fits = f"{int(min(crop_size[0], reach[0]))} {int(min(crop_size[1], reach[1]))}"
         scaled = f", scaled up to {args.scale_range[1]:g}x" if args.scale_range[1] != 1 else ""

@@ -17,6 +17,7 @@ import functools
 import gc
 import json
 import os
+import resource
 import signal
 import socket
 import sys
@@ -177,7 +178,7 @@ def _lost_peer(error):
 
 
 # --- out of memory -----------------------------------------------------------------------------------------
-_PHASES = {"train_one_epoch": "a training step", "evaluate": "the evaluation", "run_batch": "a prediction"}
+_RAN_OUT_IN = {"train_one_epoch": "a training step", "evaluate": "the evaluation", "run_batch": "a prediction"}
 
 
 def is_cpu_out_of_memory(error):
@@ -188,118 +189,93 @@ def is_cpu_out_of_memory(error):
 
 def data_worker_lost(error):
     """The one line for a DataLoader worker that died or could not hand over a batch, or None for another error.
-    torch says it in a plain RuntimeError naming a DataLoader worker, so it is told by torch's words (torch 2.14's,
-    in libtorch_python and torch/utils/data): a worker killed by a signal (Killed: most likely the out-of-memory
-    killer; a bus error: most likely a full /dev/shm), one that exited unexpectedly (also what a SIGKILL gives when
-    torch notices the worker gone first; with an exit code, its own), or shared memory that could not be allocated.
-    With -j 0 there is no worker: None."""
-    text = str(error)
-    workers = getattr(RUN.guard.args, "workers", None)
+    torch says it in a plain RuntimeError naming a DataLoader worker (torch 2.14's words, in libtorch_python and
+    torch/utils/data), and the advice follows its cause: shared memory that could not be allocated (or a bus error:
+    most likely a full /dev/shm); too many open files (the descriptors workers hand tensors over through); another
+    error handing a batch over (stops._batch_not_handed_over); a worker killed (Killed, or gone before torch saw
+    why: most likely the out-of-memory killer); one that died otherwise. With -j 0 there is no worker: None."""
+    text, workers = str(error), getattr(RUN.guard.args, "workers", None)
     if not isinstance(error, RuntimeError) or "DataLoader worker" not in text or workers == 0:
         return None
     if workers is None:
         fewer = "a smaller -j (its default: each process's share of the cores, less one), or -j 0"
     else:
         fewer = "-j 0 (loading in this process)" if workers == 1 else f"-j {workers // 2} or -j 0"
-    training = RUN.guard.program == "main.py" and not getattr(RUN.guard.args, "evaluate", False)
-    last = f" The last checkpoint is kept: then {job.resume_advice()}." if training else ""
-    noted = None  # a worker's note of the error that kept it from handing over a batch (stops._batch_not_handed_over)
-    with suppress(OSError, TypeError):  # (TypeError: no private folder)
-        note = stops.batch_not_handed_over(os.getpid())
-        if os.stat(note).st_mtime >= RUN.guard.started:  # not a note left for an earlier process of this id
-            with open(note, errors="replace") as f:
-                noted = f.read()
-        os.remove(note)
-    if noted is not None and "Too many open files" in noted:  # the file descriptors torch shares tensors through
-        import resource  # (Linux and macOS, where DataLoader workers share tensors through file descriptors)
-        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        most = "unlimited" if hard == resource.RLIM_INFINITY else hard
-        if soft == hard:
-            limit = f"this shell's open-files limit is at its most ({most}): ask for a higher one"
-        else:
-            limit = f"raise this shell's open-files limit to its most (now {soft}): ulimit -Sn {most}"
-        return (f"a data loading worker could not hand over a batch ({noted}): {limit}, or give -j 0 (no "
-                f"hand-over).{last}")
-    if noted is not None and "unable to allocate shared memory" not in noted and "No space left" not in noted:
-        return f"a data loading worker could not hand over a batch ({noted}): give -j 0 (no hand-over).{last}"
-    if "unable to allocate shared memory" in text or "Bus error" in text or noted is not None:
-        try:
+    cause = text.rstrip().splitlines()[-1].split(": ", 1)[-1]  # the worker's own error: its traceback's last line
+    said = first_line(error).rstrip(".")
+    if any(words in text for words in ("unable to allocate shared memory", "No space left", "Bus error")):
+        free = ""
+        with suppress(OSError):  # (no /dev/shm: macOS)
             shm = os.statvfs("/dev/shm")
             free = f", {shm.f_bavail * shm.f_frsize / 2**20:.0f} MiB free"
-        except OSError:  # no /dev/shm (macOS)
-            free = ""
-        return (f"a data loading worker could not hand over a batch: shared memory (/dev/shm{free}) is most likely "
-                f"too small: give {fewer}, or more shared memory (Docker: --shm-size=8g).{last}")
-    if "is killed by signal: Killed" in text or ("exited unexpectedly" in text and "exit code" not in text):
-        # (a SIGKILL is told either way: as a signal, or as a worker gone that torch noticed first)
-        return (f"a data loading worker was killed or ended unexpectedly ({first_line(error).rstrip('.')}), most "
-                f"likely by the out-of-memory killer (dmesg says): give {fewer}, or more memory.{last}")
-    if "is killed by signal" in text or "exited unexpectedly" in text:  # another signal; an exit code of its own
-        return f"a data loading worker died ({first_line(error).rstrip('.')}): give -j 0 to see why.{last}"
-    return None
+        lost = f"could not hand over a batch: shared memory (/dev/shm{free}) is most likely too small"
+        advice = f"give {fewer}, or more shared memory (Docker: --shm-size=8g)"
+    elif "Too many open files" in text or "handing over a batch" in text:
+        lost, advice = f"could not hand over a batch ({cause})", "give -j 0 (no hand-over)"
+        if "Too many open files" in text:
+            soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+            most = "unlimited" if hard == resource.RLIM_INFINITY else hard
+            advice = (f"this shell's open-files limit is at its most ({most}): ask for a higher one" if soft == hard
+                      else f"raise this shell's open-files limit to its most (now {soft}): ulimit -Sn {most}") + \
+                f", or {advice}"
+    elif "is killed by signal: Killed" in text or ("exited unexpectedly" in text and "exit code" not in text):
+        lost = f"was killed or ended unexpectedly ({said}), most likely by the out-of-memory killer (dmesg says)"
+        advice = f"give {fewer}, or more memory"
+    elif "is killed by signal" in text or "exited unexpectedly" in text:  # another signal; an exit code of its own
+        lost, advice = f"died ({said})", "give -j 0 to see why"
+    else:
+        return None
+    training = RUN.guard.program == "main.py" and not getattr(RUN.guard.args, "evaluate", False)
+    last = f" The last checkpoint is kept: then {job.resume_advice()}." if training else ""
+    return f"a data loading worker {lost}: {advice}.{last}"
 
 
 def memory_figures():
     """(this process's device, its memory in GiB, the peak this process reached in GiB, as the log shows it: a
     GPU's peak allocated, or the CPU's peak resident set)."""
     if torch.cuda.is_available():
-        device = torch.device("cuda", torch.cuda.current_device())
-        total = torch.cuda.get_device_properties(device).total_memory
-        return f"GPU {device.index}", total / 2**30, torch.cuda.max_memory_allocated(device) / 2**30
-    import resource
+        gpu = torch.cuda.current_device()
+        total = torch.cuda.get_device_properties(gpu).total_memory
+        return f"GPU {gpu}", total / 2**30, torch.cuda.max_memory_allocated(gpu) / 2**30
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return "the CPU", total / 2**30, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
-def _less_precise():
-    """The --amp to try: bf16, or fp16 on a GPU without bf16 of its own (checks.native_amp)."""
-    return f"--amp {checks.native_amp(torch.cuda.is_available())}"
-
-
 def _smaller_batch(batch, accum_steps):
-    """-> (-b, --accum-steps) with about half the images per forward and the same global batch, or None at -b 1."""
+    """-b and --accum-steps with about half the images per forward and the same global batch; None at -b 1."""
     smaller = max((d for d in range(1, batch // 2 + 1) if batch % d == 0), default=None)
-    return None if smaller is None else (smaller, accum_steps * batch // smaller)
+    return smaller and f"-b {smaller} --accum-steps {accum_steps * batch // smaller} (the same global batch)"
 
 
 def out_of_memory(error):
     """The one line for torch.OutOfMemoryError: what ran out (told by the function it was raised in), with which
     settings, the device's memory, and what to change, in the flags of the program that ran out."""
-    phase = "setting up"
-    for frame in reversed(traceback.extract_tb(error.__traceback__)):
-        if frame.name in _PHASES and os.path.basename(frame.filename) in ("main.py", "predict.py"):
-            phase = _PHASES[frame.name]
-            break
-    args = RUN.guard.args
-    device, total, peak = memory_figures()
-    amp = getattr(args, "amp", None)
-    precision = checks.native_amp(torch.cuda.is_available()) if amp == "auto" else amp if amp != "off" else None
+    phase = next((_RAN_OUT_IN[frame.name] for frame in reversed(traceback.extract_tb(error.__traceback__))
+                  if frame.name in _RAN_OUT_IN and os.path.basename(frame.filename) in ("main.py", "predict.py")),
+                 "setting up")
+    args, (device, total, peak) = RUN.guard.args, memory_figures()
+    native, amp = checks.native_amp(torch.cuda.is_available()), getattr(args, "amp", None)
+    precision = native if amp == "auto" else amp if amp != "off" else None
+    tries = [] if precision else [f"--amp {native}"]
     crop = getattr(args, "eval_crop", None)
     window = f"in windows of {crop[0]}x{crop[-1]} (--eval-crop)" if crop else "whole, at full resolution"
-    tries = [] if precision else [_less_precise()]
-    precision = precision or "fp32"
+    windows = "a smaller --eval-crop" if crop else "a sliding window, --eval-crop 769 (mmsegmentation's)"
     if phase == "a training step":
-        height, width = (args.crop_size * 2)[:2]
+        height, width = checks.crop(args)
         settings = f"-b {args.batch_size} per process x --accum-steps {args.accum_steps}, crop {height}x{width}"
-        smaller = _smaller_batch(args.batch_size, args.accum_steps)
-        if smaller:
-            tries.append(f"-b {smaller[0]} --accum-steps {smaller[1]} (the same global batch)")
-        tries.append("a smaller --crop-size")
+        tries += [_smaller_batch(args.batch_size, args.accum_steps), "a smaller --crop-size"]
     elif phase == "the evaluation":
-        settings = f"val images {window}, one at a time"
-        tries.append("a smaller --eval-crop" if crop else "a sliding window, --eval-crop 769 (mmsegmentation's)")
+        settings, tries = f"val images {window}, one at a time", tries + [windows]
     elif phase == "a prediction":
         settings = f"-b {args.batch_size} images of one size per forward, {window}"
-        if args.batch_size > 1:
-            tries.append("-b 1")
-        tries.append("a smaller --eval-crop" if crop else "a sliding window, --eval-crop 769")
+        tries += ["-b 1" if args.batch_size > 1 else None, windows]
     else:
-        settings = "before the first step"
-        tries.append("a smaller model (--model)")
+        settings, tries = "before the first step", tries + ["a smaller model (--model)"]
+    tries = [what for what in tries if what]
     under_run_sh = job.env().under_run_sh and RUN.guard.program == "main.py"
     advice = ", ".join(tries[:-1]) + (", or " if len(tries) > 1 else "") + tries[-1]
-    return (f"out of memory in {phase} ({settings}, {precision}; {device}: {total:.1f} GiB in all, {peak:.1f} GiB at "
-            f"the peak): try {advice}" + (" (after ./run.sh)" if under_run_sh else ""))
+    return (f"out of memory in {phase} ({settings}, {precision or 'fp32'}; {device}: {total:.1f} GiB in all, "
+            f"{peak:.1f} GiB at the peak): try {advice}" + (" (after ./run.sh)" if under_run_sh else ""))
 
 
 def is_collective_failure(error):
@@ -349,23 +325,20 @@ def _say_record_and_exit(message, say_it):
     word: rank 0's to say."""
     if not say_it and get_world_size() > 1:
         deadline = time.monotonic() + RANK_0_SAYS_IT_S
-        try:
+        # (A stop raised here, inside guard's except clause, would escape guard with a traceback.)
+        with suppress(stops.Interrupted, KeyboardInterrupt):
             while not _peer_stopped_on_a_mistake() and time.monotonic() < deadline:
                 time.sleep(0.05)
             if not _peer_stopped_on_a_mistake() and get_rank() == 1:
                 message, say_it = f"rank 1: {message}", True
-        except (stops.Interrupted, KeyboardInterrupt):
-            pass  # raised here, inside guard's except clause, it would escape guard with a traceback
     if say_it:
         print(f"{RUN.guard.program}: error: {message}", file=sys.stderr, flush=True)
         if get_world_size() > 1 or job.env().run_id is not None:
             record = {"run_id": job.env().run_id or "", "time": time.time(), "message": message}
-            for path in _stop_files():
-                try:  # (ranks that fail together each write a temporary file of their own)
+            for path in _stop_files():  # the first that takes it; none: restarts may repeat the line, nothing worse
+                with suppress(OSError):  # (ranks that fail together each write a temporary file of their own)
                     paths.write_atomically(path, json.dumps(record).encode(), durable=False)
                     break
-                except OSError:
-                    pass  # nowhere to write: restarts may repeat the line, nothing worse
     if dist.is_initialized() and get_world_size() > 1:
         paths.release_output()
         os._exit(1)  # peers may be inside a collective with us: tearing the process group down can hang
@@ -381,13 +354,10 @@ def _stop_records():
     """[(path, record)] of the records that can be read, in _stop_files' order (a file of another kind is none)."""
     records = []
     for path in _stop_files():
-        try:
+        with suppress(OSError, ValueError, TypeError, KeyError):  # (unreadable, or no record: JSON of another kind)
             with open(path) as f:
                 record = json.load(f)
-        except (OSError, ValueError):
-            continue
-        if isinstance(record, dict) and isinstance(record.get("time"), (int, float)):
-            records.append((path, record))
+            records.append((path, {**record, "time": float(record["time"])}))
     return records
 
 

@@ -6,9 +6,8 @@ passing a stop on), SIGINT (Ctrl-C), SIGHUP (the terminal closed), SIGUSR1 and S
 told to send before a job's time is up, Slurm's --signal=USR1@120). A write to a closed terminal, or a full disk
 under the log, costs the line, not the run.
 
-    stops.install()                     # recovery.guard, as main.py starts: the stop signals finish the step
-    stops.preflight_ended()             # the preflight's end: from here a stop saves first (see there)
-    stops.process_group_formed()        # after init_process_group
+    stops.install()                     # recovery.guard, as main.py starts: a training run's signals (PHASES)
+    stops.enter("training")             # after init_process_group (the preflight enters the phases before it)
     stops.shield_workers(loader, ...)   # DataLoader workers leave a stop to the process that reads them
     if stops.ranks_vote_to_stop(loss): break   # a collective each optimizer step: its vote cast, the step before's read
     stops.save_if_stopped(epoch, step, steps_per_epoch, save)   # after an epoch's steps: save there and end
@@ -18,7 +17,6 @@ A name that begins with ranks_ is a collective (here and in the whole harness): 
 point. This module's state is job.RUN.stops.
 """
 import errno
-import ctypes
 import functools
 import multiprocessing.queues
 import os
@@ -30,9 +28,10 @@ from contextlib import contextmanager, suppress
 
 import torch
 import torch.distributed as dist
+from torch._utils import ExceptionWrapper  # (what a DataLoader worker sends in a batch's place when it fails)
 
 from . import job, paths
-from .errors import Finished, fail, first_line
+from .errors import Finished, fail
 from .job import RUN, log
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
@@ -46,22 +45,45 @@ class Interrupted(BaseException):
 
 
 # --- signals ----------------------------------------------------------------------------------------------------
+def _on_signal(signum, frame):
+    if RUN.stops.signal is None:
+        RUN.stops.signal, RUN.stops.signal_time = signum, time.time()
+        if RUN.stops.phase == "preflight":
+            raise Interrupted(signum)
+    elif time.time() - RUN.stops.signal_time > 1.0:  # a second signal (not a copy of the first, which a
+        signal.signal(signum, signal.SIG_DFL)     # scheduler and a launcher may both send): stop now
+        os.kill(os.getpid(), signum)
+
+
+# A training run's phases, in order, and the stop signals' handler in each: enter() alone switches them. (In other
+# runs, -e, --check-only, predict.py and the tools, a stop ends the program at once: install.)
+PHASES = {
+    "preflight": _on_signal,  # nothing is trained, nothing waits for this process: the run ends at once (Interrupted)
+    "writing": _on_signal,    # writes that must not stop half-way (deferred()): the run ends after them
+    # init_process_group: it waits for the ranks inside torch's C++, which retries a call a signal interrupts and so
+    # never lets a Python handler run (a stop would wait out --dist-timeout). So each signal does what it did before
+    # this run (one ignored stays so, as run.sh has torchrun ignore SIGUSR1), or its default: the process ends at once.
+    "meeting": None,
+    "training": _on_signal,   # noted, and acted on where every rank stops together (ranks_vote_to_stop, ...)
+}
+
+
 def install(training=True):
-    """A run starts with no signal seen. A training run's stop signals (STOP_SIGNALS): before the preflight has ended
-    (preflight_ended()), nothing is trained and nothing waits for this process, and the run ends at once
-    (Interrupted); after, the signal is noted and acted on where every rank can stop together (ranks_vote_to_stop,
-    ranks_vote_after_epoch), instead of killing the process mid-step. In other runs (-e, --check-only, predict.py, the
-    tools) a stop ends the program at once: Ctrl-C, and SIGTERM as Ctrl-C (_stop_now). A training run's sys.stdout and sys.stderr are wrapped as well (_Terminal)."""
-    RUN.stops = job.Stops(handlers=RUN.stops.handlers)  # (handlers: those to put back, until restore() has)
+    """A run starts with no signal seen. A training run's stop signals (STOP_SIGNALS) enter PHASES' first, and its
+    sys.stdout and sys.stderr are wrapped (_Terminal). In other runs a stop ends the program at once: Ctrl-C, and
+    SIGTERM as Ctrl-C (_stop_now)."""
+    RUN.stops = job.Stops()
     if training:
-        RUN.stops.handlers = {signum: signal.signal(signum, _on_signal) for signum in STOP_SIGNALS}
+        RUN.stops.handlers = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}  # (restore's)
+        RUN.stops.phase = "preflight"  # (a training run's: enter() switches no other)
+        enter("preflight")
         if sys.stdout is not None:  # (None: this process was started with its output closed)
             sys.stdout = _Terminal(sys.stdout)
         if sys.stderr is not None:
             sys.stderr = _Terminal(sys.stderr)
-    elif signal.getsignal(signal.SIGTERM) != signal.SIG_IGN:
-        RUN.stops.handlers = {signal.SIGINT: signal.getsignal(signal.SIGINT),
-                              signal.SIGTERM: signal.signal(signal.SIGTERM, _stop_now)}
+    elif signal.getsignal(signal.SIGTERM) != signal.SIG_IGN:  # -e, --check-only, predict.py, the tools
+        RUN.stops.handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+        signal.signal(signal.SIGTERM, _stop_now)
 
 
 def _stop_now(signum, frame):
@@ -74,67 +96,36 @@ def _stop_now(signum, frame):
     raise KeyboardInterrupt
 
 
-@contextmanager
-def deferred():
-    """Around writes that must not stop half-way (the preflight moving an old run aside): a signal that comes
-    meanwhile ends the run after them."""
-    RUN.stops.deferring = True
-    try:
-        yield
-    finally:
-        RUN.stops.deferring = False
-    if RUN.stops.handlers is not None and RUN.stops.signal is not None and _before_training():
+def enter(phase):
+    """The one switch between PHASES, in a training run (in another, nothing). Back in "preflight" from "writing",
+    a stop that came meanwhile ends the run."""
+    if RUN.stops.phase is None:
+        return
+    RUN.stops.phase = phase
+    for signum, before in RUN.stops.handlers.items():
+        signal.signal(signum, PHASES[phase] or (signal.SIG_IGN if before == signal.SIG_IGN else signal.SIG_DFL))
+    if phase == "preflight" and RUN.stops.signal is not None:
         raise Interrupted(RUN.stops.signal)
 
 
-def preflight_ended():
-    """The preflight has ended: from here a stop saves first. With a process group, once the ranks have met
-    (process_group_formed()): init_process_group waits for them inside torch's C++, which retries a call a signal
-    interrupts and so never lets a Python handler run (a stop would wait out --dist-timeout). Meanwhile the stop
-    signals do what they did before this run (a signal ignored, as run.sh has torchrun ignore SIGUSR1, stays
-    ignored), or their default, which ends the process at once."""
-    RUN.stops.begun = True
-    if job.env().distributed and RUN.stops.handlers is not None:
-        for signum, before in RUN.stops.handlers.items():
-            signal.signal(signum, signal.SIG_IGN if before == signal.SIG_IGN else signal.SIG_DFL)
-
-
-def process_group_formed():
-    """After init_process_group: the ranks have met, and a stop is noted again, to save at the next step."""
-    if RUN.stops.handlers is not None:
-        for signum in STOP_SIGNALS:
-            signal.signal(signum, _on_signal)
-
-
-def _before_training():
-    return not RUN.stops.begun
+@contextmanager
+def deferred():
+    """Around writes that must not stop half-way (the preflight moving an old run aside): PHASES' "writing"."""
+    enter("writing")
+    try:
+        yield
+    finally:
+        enter("preflight")
 
 
 def restore():
     """The signals back to what they did before this run (a second run in one process: the tests')."""
-    if RUN.stops.handlers is not None:
-        for signum, handler in RUN.stops.handlers.items():
-            signal.signal(signum, handler)
-        RUN.stops.handlers = None
+    for signum, handler in (RUN.stops.handlers or {}).items():
+        signal.signal(signum, handler)
+    RUN.stops.handlers = None
     for name in ("stdout", "stderr"):
         if isinstance(getattr(sys, name), _Terminal):
             setattr(sys, name, getattr(sys, name).stream)
-
-
-def _on_signal(signum, frame):
-    if RUN.stops.signal is None:
-        RUN.stops.signal, RUN.stops.signal_time = signum, time.time()
-        if _before_training() and not RUN.stops.deferring:
-            raise Interrupted(signum)
-    elif time.time() - RUN.stops.signal_time > 1.0:  # a second signal (not a copy of the first, which a
-        signal.signal(signum, signal.SIG_DFL)     # scheduler and a launcher may both send): stop now
-        os.kill(os.getpid(), signum)
-
-
-def _send_nowhere(fd):
-    nowhere = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(nowhere, fd)
-    os.close(nowhere)
 
 
 class _Terminal:
@@ -150,11 +141,12 @@ class _Terminal:
         try:
             return method(*args)
         except OSError as error:
-            if error.errno in (errno.EIO, errno.EPIPE):
-                _send_nowhere(self.stream.fileno())
+            if error.errno in (errno.EIO, errno.EPIPE):  # from now on, nowhere
+                nowhere = os.open(os.devnull, os.O_WRONLY)
+                os.dup2(nowhere, self.stream.fileno())
+                os.close(nowhere)
             elif error.errno not in (errno.ENOSPC, errno.EDQUOT):
                 raise
-            return None
 
     def write(self, text):
         self._guarded(self.stream.write, text)
@@ -210,39 +202,24 @@ def shield_workers(*loaders):
 
 def _worker_init(parent, worker_id):
     paths.forget_hold()  # a forked worker's copy of --output-dir's lock would hold it after its parent was killed
-    # A batch that cannot be handed over ends this worker (_batch_not_handed_over), by SIGBUS's default action: not
-    # torch's own handler for a worker's SIGBUS, installed before this runs, which would print a line of its own.
-    multiprocessing.queues.Queue._on_queue_feeder_error = staticmethod(_batch_not_handed_over)
-    signal.signal(signal.SIGBUS, signal.SIG_DFL)
+    multiprocessing.queues.Queue._on_queue_feeder_error = _batch_not_handed_over  # (a method: its queue comes first)
     # Blocked in this thread before the next starts: every thread of the worker then blocks them, and the signals
     # wait for sigwaitinfo, which tells who sent each.
     signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     threading.Thread(target=_end_on_parents_sigterm, args=(parent,), daemon=True, name="stops").start()
 
 
-def _batch_not_handed_over(error, batch):
-    """In a DataLoader worker, where a batch put on its queue fails. A batch not yet in shared memory (predict.py's:
-    batch_size=None, no collate) has its tensors moved there by the queue's feeder thread, and with /dev/shm full
-    that raises there (torch's "unable to allocate shared memory"). (main.py's batches are collated into shared
-    memory in the worker's own thread: a full /dev/shm raises there, an error torch hands to the parent.)
-    multiprocessing's own hook prints a traceback and drops the batch, and the parent waits for it forever (seen:
-    predict.py with a 1 MB /dev/shm). The worker ends instead, by SIGBUS (as a full /dev/shm ends a worker that
-    writes into it), and torch's parent raises "DataLoader worker (pid N) is killed by signal: Bus error", or
-    "exited unexpectedly" where it notices the worker gone first: so the worker first leaves a note with the error's
-    first line for its parent (batch_not_handed_over), which recovery.data_worker_lost reads. Not dumpable first
-    (prctl): a core file of a deliberate end would help no one."""
-    with suppress(OSError, TypeError):  # (TypeError: no private folder; the parent's line is then the general one)
-        paths.write_atomically(batch_not_handed_over(os.getppid()),  # whole: another worker may write it too
-                               first_line(error).encode(errors="backslashreplace"), durable=False)
-    with suppress(OSError, AttributeError):  # (not Linux: no prctl)
-        ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE (linux/prctl.h), 0
-    os.kill(os.getpid(), signal.SIGBUS)
-
-
-def batch_not_handed_over(parent):
-    """The note a DataLoader worker of the process parent leaves where it could not hand over a batch, holding the
-    error's first line: in this user's own folder in TMPDIR."""
-    return os.path.join(paths.private_folder(), f"batch-not-handed-over-{parent}")
+def _batch_not_handed_over(queue, error, batch):
+    """multiprocessing's hook, in a DataLoader worker, for a batch its queue's feeder thread could not send. A batch
+    not yet in shared memory (predict.py's: batch_size=None, no collate) has its tensors moved there by that thread,
+    and with /dev/shm full that raises there (torch's "unable to allocate shared memory"); multiprocessing's own hook
+    prints a traceback and drops the batch, and the parent waited for it forever (seen: predict.py with a 1 MB
+    /dev/shm). The error goes in the batch's place instead, as torch sends an error of the worker's own thread, and
+    the parent raises it (as a RuntimeError, whatever its type) for recovery.data_worker_lost to name."""
+    failed = ExceptionWrapper((RuntimeError, error, error.__traceback__),
+                              where=f"in DataLoader worker (pid {os.getpid()}), handing over a batch")
+    with suppress(ValueError):  # (the queue closed: the worker is ending, and no one waits for the batch)
+        queue.put((batch[0], failed))
 
 
 def _end_on_parents_sigterm(parent):
@@ -343,9 +320,7 @@ def save_if_stopped(epoch, step, steps_per_epoch, save):
             save(step)
             if RUN.stops.problem:  # no collective follows: rank 0 says it and ends; the others end as stopped
                 fail(RUN.stops.problem, this_rank=True)
-        log(f"stopped by signal {stop_signal() or 'on another rank'} at epoch {epoch} step {step}/{steps_per_epoch}; "
-            f"saved {job.checkpoint_path()}. To resume, {job.resume_advice()}")
-        raise Finished
+        _stopped(f"{stop_signal() or 'on another rank'} at epoch {epoch} step {step}/{steps_per_epoch}")
 
 
 def ranks_vote_after_epoch(last=False):
@@ -361,10 +336,13 @@ def ranks_vote_after_epoch(last=False):
     signal_seen, write_failed_somewhere = flags.tolist()
     if write_failed_somewhere:
         fail(RUN.stops.problem or "rank 0 could not write this epoch's files")  # rank 0 has the line and says it
-    if not signal_seen:
-        return
-    if last:
+    if signal_seen and last:
         log("a stop was asked for at the end of the last epoch: training had finished, nothing is left to stop")
-        return
-    log(f"stopped by signal after an epoch; saved {job.checkpoint_path()}. To resume, {job.resume_advice()}")
+    elif signal_seen:
+        _stopped("after an epoch")
+
+
+def _stopped(where):
+    """Every rank ends the run, its checkpoint saved: exit 0."""
+    log(f"stopped by signal {where}; saved {job.checkpoint_path()}. To resume, {job.resume_advice()}")
     raise Finished

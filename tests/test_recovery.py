@@ -981,7 +981,7 @@ def test_out_of_memory_in_predict_py_ends_in_one_line(trained, tmp_path, monkeyp
                        "--output-dir", str(tmp_path / "p")], capsys, program="predict")
     assert line == ("predict.py: error: out of memory in a prediction (-b 4 images of one size per forward, whole, at "
                     "full resolution, fp32; GPU 0: 24.0 GiB in all, 22.5 GiB at the peak): try --amp bf16, -b 1, or "
-                    "a sliding window, --eval-crop 769"), line
+                    "a sliding window, --eval-crop 769 (mmsegmentation's)"), line
 
 
 @pytest.mark.usefixtures("on_the_cpu")

@@ -84,6 +84,30 @@ def test_a_stop_while_a_checkpoint_is_written_keeps_it_whole(tiny_data, tmp_path
     assert "at the start of epoch 1" in said and "done:" in said, said
 
 
+def test_the_stop_phases_are_one_table_that_enter_alone_switches():
+    """stops.PHASES says what a training run's stop signals do in each phase, and stops.enter switches them: the
+    handler the table names, or, while the ranks meet, what each did before the run (one ignored stays ignored). A
+    stop during the preflight's writes ends the run once they are done; restore() gives the signals back."""
+    before = signal.getsignal(signal.SIGTERM)
+    ignored = signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # as run.sh has torchrun ignore it
+    try:
+        stops.install(training=True)
+        for phase, handler in stops.PHASES.items():
+            stops.enter(phase)
+            for signum in stops.STOP_SIGNALS:
+                meeting = signal.SIG_IGN if signum == signal.SIGUSR1 else signal.SIG_DFL
+                assert signal.getsignal(signum) == (handler or meeting), (phase, signum)
+        stops.enter("writing")
+        stops._on_signal(signal.SIGTERM, None)  # noted, not raised: the writes go on
+        with pytest.raises(stops.Interrupted):
+            stops.enter("preflight")
+        stops.restore()
+        assert signal.getsignal(signal.SIGUSR1) == signal.SIG_IGN and signal.getsignal(signal.SIGTERM) == before
+    finally:
+        stops.restore()
+        signal.signal(signal.SIGUSR1, ignored)
+
+
 def _start_in_its_own_group(command, env, cwd=ROOT):
     """As a terminal starts a command: its own process group, SIGINT at its default (a process started in the
     background from a script would ignore it, and so would a stop sent to it)."""
