@@ -129,8 +129,8 @@ def _whole_number(name, default, low=0, high=None, advice="set it as a launcher 
 
 
 def read_environment(program="main.py"):
-    """Read and check every variable the program uses (the launcher's, run.sh's, and OMP_NUM_THREADS and TMPDIR,
-    which torch and Python read), once for this run: a bad value, or a launcher's variables that cannot make a
+    """Read and check every variable the program uses (the launcher's, run.sh's, and OMP_NUM_THREADS,
+    which torch reads), once for this run: a bad value, or a launcher's variables that cannot make a
     process group (RANK without WORLD_SIZE, RANK past WORLD_SIZE, no MASTER_ADDR), ends in one line."""
     RUN.env = Environment(program=program)  # what is known so far, for the line a bad variable ends in
     distributed = "RANK" in os.environ and "WORLD_SIZE" in os.environ
@@ -150,10 +150,6 @@ def read_environment(program="main.py"):
     _whole_number("OMP_NUM_THREADS", None, 1, advice="set the threads each process may use (the machine's cores "
                   "over the processes), or unset it", listed=True)
     _whole_number("LOCAL_WORLD_SIZE", None, 1)  # (main.default_workers divides the cores by it)
-    temporary = os.environ.get("TMPDIR")
-    if temporary and not (os.path.isdir(temporary) and os.access(temporary, os.W_OK | os.X_OK)):
-        fail(f"the environment variable TMPDIR={temporary!r} is not a folder this process can write to: set it to "
-             "one, or unset it")
     RUN.env = Environment(
         program=program, rank=rank, world_size=world_size, local_rank=_whole_number("LOCAL_RANK", 0),
         distributed=distributed, master=f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}",
