@@ -82,22 +82,18 @@ def guard(program, args=None):
     except (UserError, WeightsError) as error:
         if isinstance(error, paths.Held):  # another run's folder: nothing of this run is written there
             RUN.guard.output_dir = None
-        if getattr(error, "this_rank", False) and get_world_size() > 1:
-            _say_record_and_exit(f"rank {get_rank()}: {error}", say_it=True)
+        if getattr(error, "this_rank", False):
+            _said_by_this_rank(str(error))
         _say_record_and_exit(str(error), say_it=is_main_process())
     except BadInput as error:
         if not dist.is_initialized():
             _say_record_and_exit(_one_line(error), say_it=is_main_process())
-        prefix = f"rank {get_rank()}: " if get_world_size() > 1 else ""
-        _say_record_and_exit(prefix + _one_line(error), say_it=True)
+        _said_by_this_rank(_one_line(error))
     except Exception as error:
         if isinstance(error, torch.OutOfMemoryError) or is_cpu_out_of_memory(error):
-            prefix = f"rank {get_rank()}: " if get_world_size() > 1 else ""
-            _say_record_and_exit(prefix + out_of_memory(error), say_it=True)
-        worker = data_worker_lost(error)
-        if worker:
-            prefix = f"rank {get_rank()}: " if get_world_size() > 1 else ""
-            _say_record_and_exit(prefix + worker, say_it=True)
+            _said_by_this_rank(out_of_memory(error))
+        if data_worker_lost(error):
+            _said_by_this_rank(data_worker_lost(error))
         if not dist.is_initialized() and RUN.guard.waiting_since is not None:  # (gloo's own: RuntimeError)
             _say_record_and_exit(f"rank {get_rank()}: " + _did_not_meet(error), say_it=True)
         if not (dist.is_initialized() and is_collective_failure(error)):
@@ -108,6 +104,11 @@ def guard(program, args=None):
         stop_heartbeat()
         records.close_tensorboard()
         paths.release_output()  # --output-dir free for the next run (paths.hold_output)
+
+
+def _said_by_this_rank(message):
+    """A line only this rank met: said by it, with its number where the job has several ranks; recorded; exit 1."""
+    _say_record_and_exit((f"rank {get_rank()}: " if get_world_size() > 1 else "") + message, say_it=True)
 
 
 def _begin(program, args):
