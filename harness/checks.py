@@ -15,7 +15,7 @@ import operator
 
 import torch
 
-from . import job, paths
+from . import inference, job, paths
 from .errors import fail
 
 
@@ -80,8 +80,8 @@ def autocast(args, use_cuda):
 def check_args(args, use_cuda):
     """What several of main.py's flags say together, what this machine can do, and the folders they name
     (paths.py)."""
-    if len(args.crop_size) > 2 or min(args.crop_size) < 8:
-        fail(f"--crop-size {' '.join(map(str, args.crop_size))}: give one or two numbers of at least 8")
+    if min(crop(args)) < 8:
+        fail(f"--crop-size {' '.join(map(str, args.crop_size))}: give numbers of at least 8")
     if args.scale_range[0] > args.scale_range[1]:
         fail(f"--scale-range {args.scale_range[0]:g} {args.scale_range[1]:g}: the first is the smallest scale")
     # DistributedSampler seeds its shuffle with --seed + epoch, and torch.Generator.manual_seed takes at most
@@ -119,8 +119,8 @@ def check_args(args, use_cuda):
 
 
 def crop(args):
-    """--crop-size as (height, width): one number is a square."""
-    return (args.crop_size * 2)[:2]
+    """--crop-size as (height, width): one number is a square (inference.pair, as --eval-crop takes it)."""
+    return inference.pair("--crop-size", args.crop_size)
 
 
 def check_model_fits(args):

@@ -45,7 +45,7 @@ def add_arguments(parser):
                        help="the window's step, one number or two (default: two thirds of the window; 769 -> 513)")
 
 
-def _pair(flag, values):
+def pair(flag, values):
     """One number or two, as --crop-size takes them -> (height, width); None stays None."""
     if values is None:
         return None
@@ -58,7 +58,7 @@ def read_mode(args, training=False):
     """The --eval-* flags, checked: None for the plain evaluation, else a Mode. training: main.py evaluates after
     each epoch, where a window has its place (memory) and scales and flips do not; giving them is a mistake, said
     in one line."""
-    crop, stride = _pair("--eval-crop", args.eval_crop), _pair("--eval-stride", args.eval_stride)
+    crop, stride = pair("--eval-crop", args.eval_crop), pair("--eval-stride", args.eval_stride)
     if stride and not crop:
         fail("--eval-stride without --eval-crop: give the window's size as well")
     if crop and not stride:
