@@ -1,6 +1,6 @@
 """Where the programs write, checked in one place before any work: nothing a command reads is written over,
 moved or removed, and every output goes where it can be written; one run holds an output folder at a time. And the
-one writer of a file, with the one line for a write that failed. Plain os calls; dataset.py's cache command,
+one writer of a file, with the one line for a write that failed. Plain os calls; harness/cache.py,
 synthetic.py, checkpoints.py, records.py, the preflight and predict.py use it.
 
     paths.check_folder("--output-dir", out, reads=[("--data", data)])   # a folder, not on or in an input
@@ -88,9 +88,9 @@ _GET_FLAGS = (2 << 30) | (struct.calcsize("l") << 16) | (ord("f") << 8) | 1
 
 
 def marked(path):
-    """Where what is at path is marked immutable or append-only (chattr +i, +a), which no rename, removal or rewrite
-    passes, root's neither: the words that say so and how to clear it; else None (also where the filesystem keeps no
-    such marks)."""
+    """Where what is at path is marked immutable or append-only (chattr +i, +a): the words that say so and how to
+    clear it. No rename, removal or rewrite passes such a mark, not even root's. Else None (also where the
+    filesystem keeps no such marks)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
         try:
@@ -269,11 +269,11 @@ def _failed(error, path=None):
 
 def cannot_write(what, error, path, before="", after="", checkpoint=None):
     """The one line for a write that failed, whichever writer met it: "cannot write WHAT (why): BEFORE advice AFTER".
-    Why and the advice come from the error (why_not_written, what_to_do: path is where it looks first for what is in
-    the way); the advice begins a sentence where BEFORE ends one. checkpoint: the write of an epoch's files, which
-    costs the epoch (no checkpoint is written after it): the line says which checkpoint is the last one, and how to
-    resume from it; where none was kept, to start again with --overwrite (a run's files without its checkpoint are a
-    run the same command would refuse to replace)."""
+    Why and the advice come from the error (why_not_written, what_to_do, which looks at path first for what is in
+    the way). The advice begins a sentence where BEFORE ends one. checkpoint: given for an epoch's files, whose
+    failed write costs the epoch. The line then names the last checkpoint and how to resume from it. Where none was
+    kept, it says to start again with --overwrite: a run's files without their checkpoint are a run the same command
+    refuses to replace."""
     if checkpoint and os.path.isfile(checkpoint):
         before, after = f"{checkpoint} is the last one written. ", f"; then, to resume, {job.resume_advice()}"
     elif checkpoint:
@@ -636,12 +636,11 @@ def hold(flag, folder, args):
     """One folder, one run: global rank 0 of a run (training, -e, predict.py) holds the folder it writes, for its
     whole life, through an advisory lock (flock) on FOLDER/.held, and writes who it is there. Another run that would
     write there is refused in one line naming the holder. The kernel lets go of the lock when its process ends,
-    however it ends (a kill -9; on a network filesystem, a lost node after the server's lease), so a dead holder
-    never blocks the next run, which says that it takes over, where the record is this file's own (its inode: a
-    backup's copy of another folder's record, cp -a, is another file, whose run holds its own folder). --check-only
-    only looks (_held: run.sh's preflight refuses before torchrun starts). Held before anything in the folder is read
-    or decided (_open_and_lock makes it), so that no other run can begin and end there between this run's checks and its
-    first write."""
+    however it ends (a kill -9; on a network filesystem, a lost node after the server's lease). So a dead holder
+    never blocks the next run. That run says it takes over, where the record names this file's inode: a copy of
+    another folder's record (cp -a, a backup) is another file. --check-only only looks (_held: run.sh's preflight
+    refuses before torchrun starts). Held before anything in the folder is read or decided (_open_and_lock makes
+    it): no other run can begin and end there between this run's checks and its first write."""
     place = os.path.realpath(folder)
     if job.env().rank != 0 or any(os.path.realpath(os.path.dirname(p)) == place for _, p, _ in RUN.held):
         return
