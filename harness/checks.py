@@ -23,9 +23,8 @@ from .errors import fail
 BOUNDS = {"at least": operator.ge, "above": operator.gt, "at most": operator.le, "below": operator.lt}
 
 # main.py's number flags: {dest: (the flag as --help names it, its bounds...)}. The numbers of --eval-* are
-# inference.py's. --dist-timeout: at least 6 s (a shorter one can fail the healthy collectives of a slow machine, and
-# the line then blames a lost peer for what the flag did), at most a week (a hung peer could hold every GPU idle that
-# long; and timedelta holds no more than 999,999,999 days).
+# inference.py's. --dist-timeout: at least 6 s, as a shorter one can fail the healthy collectives of a slow machine
+# (and the line then blames a lost peer). At most a week: a hung peer could hold every GPU idle that long.
 MAIN = {
     "crop_size": ("--crop-size", ("at least", 1)), "scale_range": ("--scale-range", ("above", 0)),
     "color_jitter": ("--color-jitter", ("at least", 0), ("at most", 1)), "workers": ("-j/--workers", ("at least", 0)),
