@@ -351,7 +351,7 @@ def read_classes(root):
                        f"{_CLASSES_EXAMPLE}") from None
     except BadInput as error:
         raise BadInput(f"{path}: {error}") from None
-    except (OSError, ValueError, RecursionError) as error:  # (RecursionError: nested past json's limit)
+    except (OSError, ValueError, RecursionError) as error:  # (RecursionError: nested past Python's recursion limit)
         raise BadInput(f"{path} cannot be read as JSON ({str(error).splitlines()[0]}); write it as "
                        f"{_CLASSES_EXAMPLE}") from None
     if not isinstance(spec, dict) or set(spec) - {"names", "colors", "ignore_index"}:
