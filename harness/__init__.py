@@ -83,9 +83,9 @@ def _temporary_folder_problem():
         return (f"the temporary folder {folder} has {stats.f_bavail * stats.f_frsize // 1024} KiB free: free space "
                 "there, or set TMPDIR to a folder with room")
     if len(folder) + _SOCKET_SUFFIX > _SOCKET_PATH_MAX:
-        return (f"the temporary folder {folder} is {len(folder)} characters long; DataLoader workers hand batches over "
-                f"through sockets made in it, whose paths allow it {_SOCKET_PATH_MAX - _SOCKET_SUFFIX}: set TMPDIR to "
-                "a shorter path (/tmp, say)")
+        return (f"the temporary folder {folder} is {len(folder)} characters long, more than the "
+                f"{_SOCKET_PATH_MAX - _SOCKET_SUFFIX} that DataLoader workers' sockets in it allow: set TMPDIR to a "
+                "shorter path (/tmp, say)")
     return None
 
 

@@ -40,9 +40,8 @@ def test_a_temporary_folder_too_long_for_the_workers_sockets_is_said_before_torc
     long.mkdir()
     status, said = _started([sys.executable, program, "--help"], {"TMPDIR": str(long)})
     assert status == 1 and said.strip().splitlines() == [
-        f"{program}: error: the temporary folder {long} is {len(str(long))} characters long; DataLoader workers "
-        "hand batches over through sockets made in it, whose paths allow it 75: set TMPDIR to a shorter path (/tmp, "
-        "say)"], said
+        f"{program}: error: the temporary folder {long} is {len(str(long))} characters long, more than the 75 that "
+        "DataLoader workers' sockets in it allow: set TMPDIR to a shorter path (/tmp, say)"], said
 
 
 @pytest.mark.parametrize("mounts, expect", [
