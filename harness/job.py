@@ -129,9 +129,10 @@ def _whole_number(name, default, low=0, high=None, advice="set it as a launcher 
 
 
 def read_environment(program="main.py"):
-    """Read and check every variable the program uses (the launcher's, run.sh's, and OMP_NUM_THREADS,
-    which torch reads), once for this run: a bad value, or a launcher's variables that cannot make a
-    process group (RANK without WORLD_SIZE, RANK past WORLD_SIZE, no MASTER_ADDR), ends in one line."""
+    """Read and check the variables the program uses, once for this run: the launcher's, run.sh's, and
+    OMP_NUM_THREADS, which torch reads (TMPDIR: harness.check_temporary_folder, at import). A bad value, or a
+    launcher's variables that cannot make a process group (RANK without WORLD_SIZE, RANK past WORLD_SIZE, no
+    MASTER_ADDR or MASTER_PORT), ends in one line."""
     RUN.env = Environment(program=program)  # what is known so far, for the line a bad variable ends in
     distributed = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     rank, world_size = _whole_number("RANK", 0), _whole_number("WORLD_SIZE", 1, low=1)
