@@ -420,15 +420,19 @@ HEARTBEAT_S = 2.0
 
 
 def start_heartbeat(minutes, after_s=5.0, every_s=60.0):
-    """Before init_process_group, on every rank: GLOO_SOCKET_IFNAME checked (_check_gloo_interfaces); under torchrun,
-    a store of this attempt's own to meet at (_meet_at_a_store_of_this_attempt); then a thread that, while the process
-    group forms, says after after_s seconds and then every every_s what this process waits for, where, and when it
-    gives up (rank 0 and each node's first process); and once the group exists writes, every HEARTBEAT_S, (its
-    process, the time, steps done) into a file of its own in a folder every rank of this node reads (_peers_folder),
-    and into the group's store while some rank has no file here (another node). A rank's process is then known dead
-    or stopped by the peers of its node whatever became of the store (rank 0's process serves it); from another node,
-    a rank that is stopped, killed or cut off falls silent, one stuck in its own work falls behind. When a collective
-    fails, describe_peers() reads these to name the rank. stop_heartbeat() ends it."""
+    """Before init_process_group, on every rank:
+
+    - GLOO_SOCKET_IFNAME checked (_check_gloo_interfaces).
+    - Under torchrun, a store of this attempt's own to meet at (_meet_at_a_store_of_this_attempt).
+    - A thread. While the process group forms, it says after after_s seconds, then every every_s, what this process
+      waits for, where, and when it gives up (rank 0 and each node's first process). Once the group exists, it
+      writes every HEARTBEAT_S (its process, the time, steps done) into a file of its own (_peers_folder), which
+      every rank of this node reads. While some rank has no file here (another node), it writes into the group's
+      store too.
+
+    The peers of a rank's node see its process dead or stopped, whatever became of the store (rank 0's process
+    serves it). From another node, a rank stopped, killed or cut off falls silent; one stuck in its own work falls
+    behind. When a collective fails, describe_peers() reads these to name the rank. stop_heartbeat() ends it."""
     env, stopping, since = job.env(), threading.Event(), time.time()
     gives_up = time.strftime("%H:%M:%S", time.localtime(since + minutes * 60))
     RUN.guard.waiting_since = since
@@ -494,13 +498,13 @@ def _check_gloo_interfaces():
 
 
 def _meet_at_a_store_of_this_attempt():
-    """torchrun's agent serves the store init_process_group meets at (TORCHELASTIC_USE_AGENT_STORE=True), one server
-    for all the job's attempts in torch 2.14 (DynamicRendezvousHandler.next_rendezvous), where the ranks' keys keep
-    their names: a restarted rank can read an address of the attempt before, and its connect is refused, or it waits
-    for a rank that is gone (pytorch/pytorch#135712). So rank 0 serves a store of this attempt's own, as under run.sh
-    (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1), and writes its port into the agent's store while the group forms
-    (start_heartbeat); the others take it there (_port_of_this_attempt). -> (the agent's store, rank 0's own store),
-    or (None, None) where the agent serves none."""
+    """torchrun's agent serves the store init_process_group meets at (TORCHELASTIC_USE_AGENT_STORE=True). In torch
+    2.14 it is one server for all the job's attempts (DynamicRendezvousHandler.next_rendezvous), and the ranks' keys
+    keep their names. So a restarted rank can read an address of the attempt before: its connect is refused, or it
+    waits for a rank that is gone (pytorch/pytorch#135712). Instead rank 0 serves a store of this attempt's own, as
+    under run.sh (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1). It writes its port into the agent's store while the group
+    forms (start_heartbeat), and the others read it there (_port_of_this_attempt). -> (the agent's store, rank 0's
+    own store), or (None, None) where the agent serves none."""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None, None
     agent, own = _group_store(), None
