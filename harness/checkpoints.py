@@ -12,11 +12,14 @@ said in one line instead of trusted, --weights, the checkpoint kept before the l
 A checkpoint is the dict main.py's checkpoint_state() makes (weights_only: data, not code). Every reader first
 checks the CRC-32 that torch.save writes for each record of its zip file and torch.load does not check (verify()):
 a checkpoint damaged in a bad copy is refused, not trained from (BENCHMARKS.md: what that costs). Then what it
-holds is checked before any of it is used: its format number and the few plain fields a reader reads before it
-builds a model (read()); the weights against the model (check_fits); for training, its position, and its optimizer's
-and scaler's state loaded into SGD and a GradScaler over the model on the meta device (_check_restore), where torch's
-own error is said in one line with the file. The harness's saves add this version's format number ("format",
-stamped()).
+holds is checked before any of it is used:
+
+- read(): its format number, and the few plain fields a reader reads before it builds a model;
+- check_fits: the weights against the model;
+- for training, its position, and _check_restore: its optimizer's and scaler's state loaded into SGD and a
+  GradScaler over the model on the meta device. torch's own error is said in one line with the file.
+
+The harness's saves add this version's format number ("format", stamped()).
 """
 import filecmp
 import functools

@@ -32,7 +32,7 @@ from .job import RUN, is_main_process, log, named
 def open_tensorboard(args, first_iteration):
     """Rank 0's TensorBoard writer with --tensorboard, which makes OUTPUT_DIR/tensorboard/ and its first file.
     purge_step: TensorBoard drops what a stopped run drew from that iteration on, so that a resumed run draws no
-    stretch twice. (The writer before it, with the rest of RUN.records, is gone: job.begin_run.)"""
+    stretch twice. (job.begin_run reset RUN.records, and the writer before it with them.)"""
     if not (args.tensorboard and is_main_process()):
         return
     from torch.utils.tensorboard import SummaryWriter  # optional: the preflight found it installed
@@ -49,10 +49,10 @@ def draw(iteration, loss, lr, images_per_s):
 
 
 def _draw(iteration, points, picture=None):
-    """Points (name, value) into TensorBoard's files (with --tensorboard), at the iteration (continued on resume), a
-    value that is None or NaN left out (a class absent from val has no IoU); and a picture. A write that fails (a full
-    disk) says so once and draws no more: the curves are not the run's, and the run goes on (its checkpoint says
-    whether the disk is full for it too)."""
+    """Points (name, value), and a picture, into TensorBoard's files (with --tensorboard), at the iteration (continued
+    on resume). A value that is None or NaN is left out (a class absent from val has no IoU). A write that fails (a
+    full disk) says so once and draws no more. The curves are not the run's: the run goes on, and its checkpoint says
+    whether the disk is full for it too."""
     writer = RUN.records.writer
     if writer is None:
         return

@@ -69,9 +69,9 @@ PHASES = {
 
 
 def install(training=True):
-    """A run starts with no signal seen. A training run's stop signals (STOP_SIGNALS) enter PHASES' first, and its
-    sys.stdout and sys.stderr are wrapped (_Terminal). In other runs a stop ends the program at once: Ctrl-C, and
-    SIGTERM as Ctrl-C (_stop_now)."""
+    """A run starts with no signal seen. A training run's stop signals (STOP_SIGNALS) take the handler of PHASES'
+    first phase, and its sys.stdout and sys.stderr are wrapped (_Terminal). In other runs a stop ends the program at
+    once: Ctrl-C, and SIGTERM as Ctrl-C (_stop_now)."""
     RUN.stops = job.Stops()
     if training:
         RUN.stops.handlers = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}  # (restore's)
