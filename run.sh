@@ -98,7 +98,7 @@ else
   COUNT=$(mktemp -d "${TMPDIR:-/tmp}/deeplab-gpus.XXXXXX") \
     || fail "TMPDIR=${TMPDIR:-/tmp} cannot be written: set TMPDIR to a folder of this machine that can"
   trap 'rm -rf "$COUNT"' EXIT
-  # Python's lines land in this folder: a full one (an empty folder still fits) would fail the count itself.
+  # A full disk may still take the empty folder, but not Python's lines, which land in it: a test line first.
   WROTE=$( { printf 'a test line\n' > "$COUNT/probe"; } 2>&1 ) \
     || fail "TMPDIR=${TMPDIR:-/tmp} cannot be written (${WROTE##*: }): free space there, or set TMPDIR to another folder"
   STATUS=0
