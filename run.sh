@@ -96,7 +96,7 @@ else
   # In the background, waited for, as every Python step before training: a stop ends it at once, and does not wait
   # for a driver that does not answer (a command substitution would wait for Python before run.sh could act).
   COUNT=$(mktemp -d "${TMPDIR:-/tmp}/deeplab-gpus.XXXXXX") \
-    || fail "TMPDIR=${TMPDIR:-/tmp} cannot be written: set TMPDIR to a folder of this machine that can"
+    || fail "TMPDIR=${TMPDIR:-/tmp} cannot be written: set TMPDIR to a folder of this machine that can be written"
   trap 'rm -rf "$COUNT"' EXIT
   # A full disk may still take the empty folder, but not Python's lines, which land in it: a test line first.
   WROTE=$( { printf 'a test line\n' > "$COUNT/probe"; } 2>&1 ) \
@@ -208,7 +208,7 @@ export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
 # A signal that comes while a worker is still starting (importing torch, before its handlers) is ignored by it,
 # or kills it and torchrun starts it again to train on: the first signal is also written here, where workers look.
 STOP_DIR=$(mktemp -d "${TMPDIR:-/tmp}/deeplab-stop.XXXXXX") \
-  || fail "TMPDIR=${TMPDIR:-/tmp} cannot be written: set TMPDIR to a folder of this machine that can"
+  || fail "TMPDIR=${TMPDIR:-/tmp} cannot be written: set TMPDIR to a folder of this machine that can be written"
 export DEEPLAB_STOP_FILE="$STOP_DIR/signal"
 WATCHER=
 trap 'rm -rf "$STOP_DIR"; [ -z "$WATCHER" ] || kill "$WATCHER" 2>/dev/null || true' EXIT
