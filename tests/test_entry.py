@@ -46,8 +46,9 @@ def test_a_temporary_folder_too_long_for_the_workers_sockets_is_said_before_torc
 
 @pytest.mark.parametrize("mounts, expect", [
     # Kubernetes' readOnlyRootFilesystem with TMPDIR unset: every place tempfile looks is read-only.
-    ("for d in /tmp /var/tmp /usr/tmp; do [ -d $d ] && mount -t tmpfs -o ro tmpfs $d; done; unset TMPDIR; "
-     f"mount --bind -o ro {ROOT} {ROOT}; mount -o remount,bind,ro {ROOT}",
+    # The project read-only too (tempfile's last resort is the current folder), at /mnt: a clone in /tmp is hidden.
+    (f"mount --bind {ROOT} /mnt; mount -o remount,bind,ro /mnt; P=/mnt; unset TMPDIR; "
+     "for d in /tmp /var/tmp /usr/tmp; do [ -d $d ] && mount -t tmpfs -o ro tmpfs $d; done",
      "main.py: error: no folder for temporary files can be written (/tmp: Read-only file system; TMPDIR unset), "
      "and PyTorch needs one: set TMPDIR to a folder of this machine you can write (a read-only root filesystem: "
      "mount a writable volume at /tmp)"),
@@ -56,7 +57,7 @@ def test_a_temporary_folder_too_long_for_the_workers_sockets_is_said_before_torc
      "folder of this machine you can write"),
 ])
 def test_a_temporary_folder_torch_cannot_use_is_said_in_one_line(mounts, expect):
-    command = _in_a_mount_namespace(f'{mounts}; cd {ROOT} && exec "$0" main.py --help')
+    command = _in_a_mount_namespace(f'{mounts}; cd "${{P:-{ROOT}}}" && exec "$0" main.py --help')
     status, said = _started(command[:-1] + [command[-1], sys.executable])
     assert status == 1 and said.strip().splitlines() == [expect], said
 
@@ -82,11 +83,13 @@ def test_each_program_finds_its_modules_under_python_minus_I_and_pythonsafepath(
 
 
 def _stopped_after(command, line, signum, made=None):
-    """command started in a session of its own (as from a terminal); signum sent to all its processes (a
-    terminal's Ctrl-C reaches every one) once it printed a line holding line, or made has something in it.
+    """command started as from a terminal: a session of its own, SIGINT at its default (a suite run in the
+    background of a script ignores it, and so would the command); signum sent to all its processes (a terminal's
+    Ctrl-C reaches every one) once it printed a line holding line, or made has something in it.
     -> its exit status and output."""
     process = subprocess.Popen(command, cwd=ROOT, env={**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"},
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     said = []
     if made:
         while not os.listdir(made) and process.poll() is None:
