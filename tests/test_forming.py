@@ -82,35 +82,6 @@ def test_an_interface_that_is_not_here_is_said_once_before_any_wait_and_not_rest
 
 
 @pytest.mark.long
-def test_a_store_that_outlives_an_attempt_does_not_lead_a_rank_to_an_earlier_address(tiny_data, tmp_path):
-    """torchrun's agent serves the store the ranks meet at (TORCHELASTIC_USE_AGENT_STORE=True), one for all the
-    job's attempts: what the ranks of an attempt wrote there stays. Here a store of this process plays the agent's,
-    two attempts of two forked ranks meet at it, and in the second rank 1 starts 3 s before rank 0. Without a store
-    of the attempt's own, rank 1 read the first attempt's address of rank 0 and ended in gloo's "Connection refused"
-    traceback; now both attempts train and end."""
-    agent = dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False)
-    for attempt, first in enumerate((0, 1)):
-        environment = {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-                       "MASTER_PORT": str(agent.port), "TORCHELASTIC_USE_AGENT_STORE": "True",
-                       "TORCHELASTIC_RESTART_COUNT": str(attempt), "TORCHELASTIC_RUN_ID": f"test-{os.getpid()}"}
-        argv = ["--data", tiny_data, "--output-dir", str(tmp_path / f"out{attempt}"), "--epochs", "1", *TRAIN_ARGS]
-        ranks = {}
-        for rank in (first, 1 - first):
-            ranks[rank] = fork_main(argv, str(tmp_path / f"attempt{attempt}-rank{rank}.log"),
-                                    {**environment, "RANK": str(rank), "LOCAL_RANK": str(rank)})
-            time.sleep(3 if attempt else 0)
-        for rank, forked in ranks.items():
-            forked.process.join(timeout=120)
-        said = {rank: open(forked.output).read() for rank, forked in ranks.items()}
-        try:
-            assert [forked.process.exitcode for forked in ranks.values()] == [0, 0], said
-        finally:
-            for forked in ranks.values():
-                forked.process.kill()
-        assert "Traceback" not in said[0] + said[1] and "error:" not in said[0] + said[1], said
-        assert [r["epoch"] for r in metrics(str(tmp_path / f"out{attempt}"))] == [0]
-
-
 def _serve_a_store(port):
     """A process that serves a store, as torchrun's agent does: killing it is torchrun ending."""
     store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
