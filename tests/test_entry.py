@@ -85,8 +85,9 @@ def _stopped_after(command, line, signum, made=None):
     background of a script ignores it, and so would the command); signum sent to all its processes (a terminal's
     Ctrl-C reaches every one) once it printed a line holding line, or made has something in it.
     -> its exit status and output."""
-    process = subprocess.Popen(command, cwd=ROOT, env={**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"},
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    environment = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+    process = subprocess.Popen(command, cwd=ROOT, env=environment, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True, start_new_session=True,
                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     said = []
     if made:
