@@ -109,8 +109,8 @@ def _stopped_after(command, line, signum, made=None):
 def test_a_stop_ends_each_tool_in_one_line_and_leaves_nothing_half_written(program, signum, tmp_path):
     data = str(tmp_path / "data")
     if program == "harness/cache.py":
-        write_synthetic(data, num_train=400, num_val=2, size=(256, 128), seed=1)
-        command, line = [program, str(tmp_path / "cache"), "--data", data, "-j", "2"], "100/400"
+        write_synthetic(data, num_train=300, num_val=2, size=(128, 64), seed=1)
+        command, line = [program, str(tmp_path / "cache"), "--data", data, "-j", "2"], "100/300"
     elif program == "bench.py":
         command, line = [program, "--data", "--quick"], "CPU:"
     else:
