@@ -75,16 +75,22 @@ def input_files(top, recursive=True, leave_out=None):
     folders): -> (files, others). files: the regular files, sorted paths (sub-folders too where recursive, linked
     ones followed, each once; leave_out(folder) True: that folder left out). others: [(path, what it is)], the
     entries that are not files to read (not_a_file), for the caller to name. macOS's AppleDouble files (._NAME,
-    its record of NAME's metadata on a FAT or network disk) are neither. A folder that cannot be listed (os.walk
-    would skip it, and its files, without a word) or a link loop: BadInput."""
+    its record of NAME's metadata on a FAT or network disk) are neither. A folder reached again by another link is
+    listed once. A folder that cannot be listed (os.walk would skip it, and its files, without a word) or a link
+    loop: BadInput."""
     def unlisted(error):
         raise BadInput(cannot_list(error.filename, error))
 
     files, others, seen = [], [], set()
     for parent, subfolders, names in os.walk(top, onerror=unlisted, followlinks=True):
-        if os.path.realpath(parent) in seen:
-            raise BadInput(f"{parent} leads back to a folder already listed (a symbolic link loop); fix or remove it")
-        seen.add(os.path.realpath(parent))
+        real = os.path.realpath(parent)
+        if real in seen:  # a second link to a folder (a "latest" link): its files are listed once
+            if _inside(parent, real):
+                raise BadInput(f"{parent} leads back to a folder already listed (a symbolic link loop); fix or "
+                               "remove it")
+            subfolders[:] = []
+            continue
+        seen.add(real)
         subfolders[:] = sorted(d for d in subfolders if recursive and not (leave_out and leave_out(
             os.path.join(parent, d))))
         for name in names:
@@ -97,6 +103,15 @@ def input_files(top, recursive=True, leave_out=None):
             else:
                 files.append(path)
     return sorted(files), sorted(others)
+
+
+def _inside(parent, real):
+    """Whether parent, a path os.walk made, lies inside the folder real: a link that leads back up, a loop."""
+    for _ in range(parent.count(os.sep)):
+        parent = os.path.dirname(parent)
+        if os.path.realpath(parent or ".") == real:
+            return True
+    return False
 
 
 def _check_size(path, width, height):

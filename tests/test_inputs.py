@@ -40,6 +40,7 @@ def test_the_lister_takes_regular_files_and_names_the_rest(tmp_path):
     (tmp_path / "a").mkdir()
     (tmp_path / "a" / "x.png").write_bytes(b"x")
     os.symlink(tmp_path / "a" / "x.png", tmp_path / "linked.png")
+    os.symlink(tmp_path / "a", tmp_path / "latest")  # a second way to a folder: its files listed once, no loop
     release = _pipe_that_answers(str(tmp_path / "cam.jpg"))
     _apple_double(str(tmp_path / "a" / "x.png"))
     files, others = images.input_files(str(tmp_path))
@@ -47,6 +48,10 @@ def test_the_lister_takes_regular_files_and_names_the_rest(tmp_path):
     assert files == [str(tmp_path / "a" / "x.png"), str(tmp_path / "linked.png")]
     assert others == [(str(tmp_path / "cam.jpg"), "a named pipe")]
     assert images.input_files(str(tmp_path), recursive=False)[0] == [str(tmp_path / "linked.png")]
+    os.symlink(tmp_path, tmp_path / "a" / "up")  # a link back up: a loop
+    with pytest.raises(images.BadInput, match="up leads back to a folder already listed"):
+        images.input_files(str(tmp_path))
+    os.remove(tmp_path / "a" / "up")
     os.symlink(tmp_path / "gone.png", tmp_path / "a" / "broken.png")
     with pytest.raises(images.BadInput, match="broken.png is a symbolic link that leads nowhere"):
         images.input_files(str(tmp_path))
