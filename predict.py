@@ -335,6 +335,7 @@ def export(args, mode):
 @recovery.guarded("predict.py")  # a mistake ends in one line, said once (harness/recovery.py)
 def main(args):
     checks.check_numbers(args, checks.PREDICT)
+    checks.check_worker_sockets(args.workers)
     mode = inference.read_mode(args)
     if args.export is not None:
         export(args, mode)

@@ -32,12 +32,6 @@ import os
 import sys
 import tempfile
 
-# The longest path of an AF_UNIX socket (sun_path, less its NUL): Linux's, and macOS's and the BSDs'.
-_SOCKET_PATH_MAX = 107 if sys.platform.startswith("linux") else 103
-# What multiprocessing adds to the temporary folder for the socket a DataLoader worker hands a batch over through
-# (torch's file_descriptor sharing): /pymp-XXXXXXXX/listener-XXXXXXXX.
-_SOCKET_SUFFIX = len("/pymp-12345678/listener-12345678")
-
 
 def program_name():
     """The program this process runs, as its lines name it: main.py, harness/cache.py (python -c and -m: python)."""
@@ -63,8 +57,8 @@ def _cannot_write(folder):
 
 def _temporary_folder_problem():
     """What keeps torch from the temporary folder it needs, or None. torchvision's import asks tempfile for one
-    (a read-only root filesystem with TMPDIR unset fails there, in a long traceback); DataLoader workers hand their
-    batches over through sockets made in it, whose path has a length limit."""
+    (a read-only root filesystem with TMPDIR unset fails there, in a long traceback). (Its path's length matters
+    to DataLoader workers alone: checks.check_worker_sockets.)"""
     given = os.environ.get("TMPDIR")
     why = _cannot_write(given) if given else None
     fix = "free space there, or " if why == os.strerror(errno.ENOSPC) else ""
@@ -82,19 +76,15 @@ def _temporary_folder_problem():
     if stats.f_bavail * stats.f_frsize < 16 * 2**20:
         return (f"the temporary folder {folder} has {stats.f_bavail * stats.f_frsize // 1024} KiB free: free space "
                 "there, or set TMPDIR to a folder with room")
-    if len(folder) + _SOCKET_SUFFIX > _SOCKET_PATH_MAX:
-        return (f"the temporary folder {folder} is {len(folder)} characters long, more than the "
-                f"{_SOCKET_PATH_MAX - _SOCKET_SUFFIX} that DataLoader workers' sockets in it allow: set TMPDIR to a "
-                "shorter path (/tmp, say)")
     return None
 
 
 def check_temporary_folder():
     """Every program's first check, as it imports the harness (before torchvision): a temporary folder torch can
-    use, or one line and exit 1 (said by one process of a job)."""
+    use, or one line and exit 1, said by each machine's first process (its folder is that machine's)."""
     problem = _temporary_folder_problem()
     if problem:
-        if os.environ.get("RANK", "0") == "0":
+        if os.environ.get("LOCAL_RANK", "0") == "0":
             print(f"{program_name()}: error: {problem}", file=sys.stderr, flush=True)
         sys.exit(1)
 

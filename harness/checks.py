@@ -4,6 +4,7 @@ mistake in one line that names the flag and its bound (errors.fail), before a mo
 
     checks.check_numbers(args, checks.MAIN)   # each number flag within its range (checks.PREDICT: predict.py's)
     checks.check_args(args, use_cuda)          # main.py: what several flags say together, and this machine
+    checks.check_worker_sockets(args.workers)  # predict.py: -j's workers can hand batches over (check_args: main.py)
     checks.check_model_fits(args)              # again once --output-stride is known (a checkpoint's)
     autocast = checks.autocast(args, use_cuda) # predict.py's --amp context (main.py's lesson makes its own)
 """
@@ -12,6 +13,8 @@ import functools
 import importlib
 import math
 import operator
+import sys
+import tempfile
 
 import torch
 
@@ -76,6 +79,23 @@ def autocast(args, use_cuda):
     return functools.partial(torch.autocast, "cuda" if use_cuda else "cpu", dtype=dtype)
 
 
+# The longest path of an AF_UNIX socket (sun_path, less its NUL): Linux's, and macOS's and the BSDs'.
+_SOCKET_PATH_MAX = 107 if sys.platform.startswith("linux") else 103
+# What multiprocessing adds to the temporary folder for the socket a DataLoader worker hands a batch over through
+# (torch's file_descriptor sharing): /pymp-XXXXXXXX/listener-XXXXXXXX.
+_SOCKET_SUFFIX = len("/pymp-12345678/listener-12345678")
+
+
+def check_worker_sockets(workers):
+    """-j other than 0 (None: the default, at least 1 worker): a temporary folder short enough for the sockets
+    DataLoader workers hand their batches over through. (Without workers, its length does not matter.)"""
+    folder = tempfile.gettempdir()
+    if workers != 0 and len(folder) + _SOCKET_SUFFIX > _SOCKET_PATH_MAX:
+        fail(f"the temporary folder {folder} is {len(folder)} characters long, more than the "
+             f"{_SOCKET_PATH_MAX - _SOCKET_SUFFIX} that DataLoader workers' sockets in it allow: set TMPDIR to a "
+             "shorter path (/tmp, say)")
+
+
 def check_args(args, use_cuda):
     """What several of main.py's flags say together, what this machine can do, and the folders they name
     (paths.py)."""
@@ -88,6 +108,7 @@ def check_args(args, use_cuda):
     if args.seed + args.epochs - 1 > 2**64 - 1:
         fail(f"--seed {args.seed} with --epochs {args.epochs}: the sampler's seed of the last epoch (--seed + epoch) "
              f"would pass 2**64 - 1, the most torch's generators take; give a --seed of at most {2**64 - args.epochs}")
+    check_worker_sockets(args.workers)
     autocast(args, use_cuda)  # --amp fp16 only with CUDA (this program's choice)
     local_rank = job.env().local_rank if args.local_rank is None else args.local_rank
     if use_cuda and not args.check_only and local_rank >= torch.cuda.device_count():

@@ -122,3 +122,21 @@ def test_every_number_flag_of_every_program_refuses_a_number_out_of_its_range_be
         else:
             pytest.fail(f"{program} {max(flags, key=len)} refuses none of {', '.join(through)}: it has no range check "
                         f"(what it said instead: {through})")
+
+
+def test_a_temporary_folder_too_long_for_the_workers_sockets_is_refused_where_workers_start(tmp_path, monkeypatch,
+                                                                                           capsys):
+    """main.py and predict.py with DataLoader workers (the default, or -j 1) refuse a temporary folder whose path
+    leaves their sockets no room (test_torch_claims: 75 characters at most), in one line; with -j 0 they make no
+    socket, and its length is no mistake."""
+    import tempfile
+    long = str(tmp_path / ("t" * max(1, 80 - len(str(tmp_path)))))
+    monkeypatch.setattr(tempfile, "tempdir", long)
+    said = (f"the temporary folder {long} is {len(long)} characters long, more than the 75 that DataLoader workers' "
+            "sockets in it allow: set TMPDIR to a shorter path (/tmp, say)")
+    nowhere = str(tmp_path / "nowhere")
+    for program, argv in (("main", ["--data", nowhere, "--output-dir", str(tmp_path / "out")]),
+                          ("predict", ["--resume", nowhere, nowhere])):
+        for workers in ([], ["-j", "1"]):
+            assert main_fails(argv + workers, capsys, program=program) == f"{program}.py: error: {said}"
+        assert said not in main_fails(argv + ["-j", "0"], capsys, program=program)

@@ -35,19 +35,20 @@ def _in_a_mount_namespace(script):
 
 
 @pytest.mark.parametrize("program", PROGRAMS)
-def test_each_program_finds_its_modules_under_python_minus_I_and_says_a_too_long_temporary_folder(program, tmp_path):
+def test_each_program_finds_its_modules_under_python_minus_I_and_says_an_unusable_tmpdir_before_torchvision(program,
+                                                                                                          tmp_path):
     """Started from another folder under python -I (main.py, predict.py) or PYTHONSAFEPATH=1 (the others; both are
-    the same path rule), each program finds the harness (not "No module named 'harness'"), whose import says the
-    temporary folder is too long for the workers' sockets: one line, before torchvision loads."""
-    long = tmp_path / ("t" * max(1, 80 - len(str(tmp_path))))
-    long.mkdir()
+    the same path rule), each program finds the harness (not "No module named 'harness'"), whose import says that
+    TMPDIR cannot be used: one line, before torchvision loads. The others run as a second machine's first process
+    (RANK 3, LOCAL_RANK 0): its temporary folder is its own, and it says so itself."""
     isolated = program in ("main.py", "predict.py")
     command = [sys.executable, *(["-I"] if isolated else []), os.path.join(ROOT, program), "--help"]
-    environment = {"TMPDIR": str(long), **({} if isolated else {"PYTHONSAFEPATH": "1"})}
+    gone = tmp_path / "gone"
+    environment = {"TMPDIR": str(gone), **({} if isolated else {"PYTHONSAFEPATH": "1", "RANK": "3", "LOCAL_RANK": "0"})}
     status, said = _started(command, environment, cwd=tmp_path)
     assert status == 1 and said.strip().splitlines() == [
-        f"{program}: error: the temporary folder {long} is {len(str(long))} characters long, more than the 75 that "
-        "DataLoader workers' sockets in it allow: set TMPDIR to a shorter path (/tmp, say)"], said
+        f"{program}: error: TMPDIR={gone} cannot be used (No such file or directory): set TMPDIR to a folder of this "
+        "machine you can write"], said
 
 
 @pytest.mark.parametrize("mounts, expect", [

@@ -777,6 +777,28 @@ def test_a_dataloader_worker_ends_quietly_on_its_parents_sigterm_and_dies_of_any
         del batches
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux's socket path length")
+def test_a_dataloader_worker_hands_its_batch_over_through_a_socket_in_the_temporary_folder_75_characters_at_most(
+        monkeypatch):
+    """torch's file_descriptor sharing: a worker hands a batch's shared memory to its parent through multiprocessing's
+    resource sharer, an AF_UNIX socket in the temporary folder (pymp-XXXXXXXX/listener-XXXXXXXX). A Linux socket's
+    path holds 107 characters: a temporary folder of 75 works; with one of 76 the worker's feeder thread fails and
+    the parent waits for a batch that never comes (DataLoader's timeout here, 3 s). checks.check_worker_sockets."""
+    import multiprocessing
+    import tempfile
+    from harness import checks
+    assert checks._SOCKET_PATH_MAX - checks._SOCKET_SUFFIX == 75
+    base = tempfile.mkdtemp()
+    for length, works in ((75, True), (76, False)):
+        folder = os.path.join(base, "t" * (length - len(base) - 1))
+        os.mkdir(folder)
+        monkeypatch.setattr(tempfile, "tempdir", folder)
+        monkeypatch.delitem(multiprocessing.current_process()._config, "tempdir", raising=False)  # (its own, once made)
+        loader = DataLoader(torch.zeros(2, 3), num_workers=1, timeout=3, multiprocessing_context="fork")
+        with contextlib.nullcontext() if works else pytest.raises(RuntimeError, match="timed out"):
+            next(iter(loader))
+
+
 def test_a_dataloader_freed_by_a_garbage_collection_waits_for_each_worker_and_by_its_last_reference_does_not(
         monkeypatch):
     """A DataLoader with persistent workers, freed by its last reference: its workers end at once. Freed by a
