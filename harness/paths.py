@@ -116,10 +116,10 @@ def check_folder(flag, path, reads=()):
     None where not given), and where it can be made (found without writing anything: make_folder makes it, once
     every check is done)."""
     existing = _nearest(flag, path)
-    if os.path.exists(path) and not os.path.isdir(path):
+    why = "cannot be written" if os.path.isdir(existing) else "is a file"
+    if why == "is a file" and existing == os.path.abspath(path):
         fail(f"{named(flag)} {path} is a file, not a folder: give a folder")
-    if not os.path.isdir(existing) or not os.access(existing, os.W_OK | os.X_OK):
-        why = "is a file" if not os.path.isdir(existing) else "cannot be written"
+    if why == "is a file" or not os.access(existing, os.W_OK | os.X_OK):
         fail(f"{named(flag)} {path} cannot be written ({existing} {why}): choose a folder you can write to")
     for read_flag, source in reads:
         if source and inside(path, source):
@@ -475,24 +475,23 @@ def check_no_run_replaced(args, start):
     --overwrite moves aside. start: checkpoints.Start (whether this run continues one there). -> start; with afresh
     set where the folder holds only what a first epoch stopped before its checkpoint wrote, and the command resumes
     automatically (run.sh, a requeued job): that run is then started again."""
-    found = [name for name in RECORDS if os.path.exists(os.path.join(args.output_dir, name))]
-    if (found and not (args.evaluate or args.overwrite) and start.auto and not start.path
-            and _first_epoch_only(args.output_dir, found)):
+    out, run_sh = args.output_dir, named("--output-dir") == "OUTPUT_DIR"
+    found = [name for name in RECORDS if os.path.exists(os.path.join(out, name))]
+    if found and start.auto and not (args.evaluate or args.overwrite or start.path) and _first_epoch_only(out, found):
         start = dataclasses.replace(start, afresh=True)  # the same command starts it again (make_run_outputs)
     if (replacing(args, start) and args.weights and not start.path
-            and any(inside(args.weights, os.path.join(args.output_dir, name)) for name in RUN_FILES)):
+            and any(inside(args.weights, os.path.join(out, name)) for name in RUN_FILES)):
         fail(f"--weights {args.weights} belongs to the run that "
              f"{'--overwrite moves' if args.overwrite else 'is moved'} aside from {named('--output-dir')} "
-             f"{args.output_dir}: fine-tune into another {named('--output-dir')} instead (the run stays as it is)")
-    if not found or args.evaluate or args.overwrite or start.afresh or (start.path and names_in(start.path,
-                                                                                                  args.output_dir)):
+             f"{out}: fine-tune into another {named('--output-dir')} instead (the run stays as it is)")
+    if not found or args.evaluate or args.overwrite or start.afresh or start.path and names_in(start.path, out):
         return start
-    what = f"{named('--output-dir')} {args.output_dir} holds another run ({', '.join(found)})"
-    replace = "./run.sh --overwrite" if named("--output-dir") == "OUTPUT_DIR" else "--overwrite"
-    aside = f"replace it with {replace} (it moves that run aside, nothing is deleted)"
+    what = f"{named('--output-dir')} {out} holds another run ({', '.join(found)})"
+    aside = (f"replace it with {'./run.sh --overwrite' if run_sh else '--overwrite'} (it moves that run aside, "
+             "nothing is deleted)")
     if start.path:
         fail(f"{what}, and --resume {start.path} is not from it: choose another {named('--output-dir')}, or {aside}")
-    if start.auto or named("--output-dir") == "OUTPUT_DIR":
+    if start.auto or run_sh:
         fail(f"{what}, no checkpoint to continue from: choose another {named('--output-dir')}, or {aside}")
     fail(f"{what}: continue it with --resume auto, choose another --output-dir, or {aside}")
 
@@ -546,18 +545,14 @@ def make_run_outputs(args, start):
     RUN.held = [(fd, lock, []) for fd, lock, _ in RUN.held]  # every check passed: the folders are the run's, kept
 
 
-def _leftover(name):
-    """A temporary file of a write that was killed: a run file's name, a dot, anything, ".tmp" (main.py's
-    checkpoint.pth.PID-TIME.tmp, temporary_name()'s)."""
-    return name.endswith(".tmp") and any(name.startswith(f"{run_file}.") for run_file in RECORDS)
-
-
 def remove_leftovers(folder):
-    """Rank 0, holding folder: the temporary files of writes that a kill cut short are removed. No live run writes
-    there (this one holds it), and a killed save's second name for an old checkpoint keeps its blocks on the disk."""
+    """Rank 0, holding folder: the temporary files of writes that a kill cut short are removed (a run file's name, a
+    dot, anything, ".tmp": main.py's checkpoint.pth.PID-TIME.tmp, temporary_name()'s). No live run writes there
+    (this one holds it), and a killed save's second name for an old checkpoint keeps its blocks on the disk."""
     for name in os.listdir(folder):
         path = os.path.join(folder, name)
-        if _leftover(name) and os.path.isfile(path) and not os.path.islink(path):
+        leftover = name.endswith(".tmp") and any(name.startswith(f"{run_file}.") for run_file in RECORDS)
+        if leftover and os.path.isfile(path) and not os.path.islink(path):
             os.remove(path)
 
 
