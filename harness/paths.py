@@ -116,10 +116,10 @@ def check_folder(flag, path, reads=()):
     None where not given), and where it can be made (found without writing anything: make_folder makes it, once
     every check is done)."""
     existing = _nearest(flag, path)
-    if os.path.exists(path) and not os.path.isdir(path):
+    why = "cannot be written" if os.path.isdir(existing) else "is a file"
+    if why == "is a file" and existing == os.path.abspath(path):
         fail(f"{named(flag)} {path} is a file, not a folder: give a folder")
-    if not os.path.isdir(existing) or not os.access(existing, os.W_OK | os.X_OK):
-        why = "is a file" if not os.path.isdir(existing) else "cannot be written"
+    if why == "is a file" or not os.access(existing, os.W_OK | os.X_OK):
         fail(f"{named(flag)} {path} cannot be written ({existing} {why}): choose a folder you can write to")
     for read_flag, source in reads:
         if source and inside(path, source):
@@ -166,10 +166,13 @@ def check_file_and_make_folder(flag, path, reads=(), replaceable=None):
     make_folder(flag, os.path.dirname(os.path.abspath(path)))
 
 
-def _unused(folder, name_for, what):
-    """The first name_for(suffix) not taken in folder, the suffix "", then "-1", "-2", ..."""
+def _unused(folder, head, what, tail=""):
+    """The first name HEAD-DATE-TIME-SUFFIX-TAIL not taken in folder (HEAD ends in its own "-"), SUFFIX "", then
+    "-1", "-2", ..."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
     for attempt in range(1000):
-        candidate = os.path.join(folder, name_for(f"-{attempt}" if attempt else ""))
+        suffix = f"-{attempt}" if attempt else ""
+        candidate = os.path.join(folder, f"{head}{stamp}{suffix}{tail}")
         if not os.path.exists(candidate):
             return candidate
     fail(f"no free name in {folder} to keep {what} under: move the old ones away")
@@ -180,8 +183,7 @@ def beside(path, label):
     checkpoint.rewound-20261130-230405.pth; data -> data.partial-20261130-230405."""
     folder, name = os.path.split(os.path.abspath(path.rstrip(os.sep)))
     stem, extension = (name, "") if os.path.isdir(path) else os.path.splitext(name)
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    return _unused(folder, lambda suffix: f"{stem}.{label}-{stamp}{suffix}{extension}", name)
+    return _unused(folder, f"{stem}.{label}-", name, extension)
 
 
 def move_aside(folder, names, label):
@@ -191,8 +193,7 @@ def move_aside(folder, names, label):
     present = [name for name in os.listdir(folder) if name in names or ".rewound-" in name]
     if not present:
         return None
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    target = _unused(folder, lambda suffix: f"{label}-{stamp}{suffix}", "the old run")
+    target = _unused(folder, f"{label}-", "the old run")
     try:
         os.makedirs(target)
         for name in present:
@@ -257,14 +258,12 @@ def _failed(error, path=None):
     nearly full as it failed."""
     cause = error
     for _ in range(8):  # (a chain, not a loop)
-        if cause is None or isinstance(cause, OSError) and cause.errno:
-            break
-        cause = cause.__cause__ or cause.__context__
-    if not (isinstance(cause, OSError) and cause.errno):
-        free = getattr(error, "free_mib", None)
-        return (errno.ENOSPC if isinstance(error, RuntimeError) and free is not None and free < 16 else None), [path]
-    names = [os.fsdecode(name) for name in (cause.filename2, cause.filename) if isinstance(name, (str, bytes))]
-    return cause.errno, names + [path]
+        if isinstance(cause, OSError) and cause.errno:
+            names = [os.fsdecode(name) for name in (cause.filename2, cause.filename) if isinstance(name, (str, bytes))]
+            return cause.errno, names + [path]
+        cause = cause and (cause.__cause__ or cause.__context__)
+    full = isinstance(error, RuntimeError) and getattr(error, "free_mib", 16) < 16
+    return (errno.ENOSPC if full else None), [path]
 
 
 def cannot_write(what, error, path, before="", after="", checkpoint=None):
@@ -476,24 +475,23 @@ def check_no_run_replaced(args, start):
     --overwrite moves aside. start: checkpoints.Start (whether this run continues one there). -> start; with afresh
     set where the folder holds only what a first epoch stopped before its checkpoint wrote, and the command resumes
     automatically (run.sh, a requeued job): that run is then started again."""
-    found = [name for name in RECORDS if os.path.exists(os.path.join(args.output_dir, name))]
-    if (found and not (args.evaluate or args.overwrite) and start.auto and not start.path
-            and _first_epoch_only(args.output_dir, found)):
+    out, run_sh = args.output_dir, named("--output-dir") == "OUTPUT_DIR"
+    found = [name for name in RECORDS if os.path.exists(os.path.join(out, name))]
+    if found and start.auto and not (args.evaluate or args.overwrite or start.path) and _first_epoch_only(out, found):
         start = dataclasses.replace(start, afresh=True)  # the same command starts it again (make_run_outputs)
     if (replacing(args, start) and args.weights and not start.path
-            and any(inside(args.weights, os.path.join(args.output_dir, name)) for name in RUN_FILES)):
+            and any(inside(args.weights, os.path.join(out, name)) for name in RUN_FILES)):
         fail(f"--weights {args.weights} belongs to the run that "
              f"{'--overwrite moves' if args.overwrite else 'is moved'} aside from {named('--output-dir')} "
-             f"{args.output_dir}: fine-tune into another {named('--output-dir')} instead (the run stays as it is)")
-    if not found or args.evaluate or args.overwrite or start.afresh or (start.path and names_in(start.path,
-                                                                                                  args.output_dir)):
+             f"{out}: fine-tune into another {named('--output-dir')} instead (the run stays as it is)")
+    if not found or args.evaluate or args.overwrite or start.afresh or start.path and names_in(start.path, out):
         return start
-    what = f"{named('--output-dir')} {args.output_dir} holds another run ({', '.join(found)})"
-    replace = "./run.sh --overwrite" if named("--output-dir") == "OUTPUT_DIR" else "--overwrite"
-    aside = f"replace it with {replace} (it moves that run aside, nothing is deleted)"
+    what = f"{named('--output-dir')} {out} holds another run ({', '.join(found)})"
+    aside = (f"replace it with {'./run.sh --overwrite' if run_sh else '--overwrite'} (it moves that run aside, "
+             "nothing is deleted)")
     if start.path:
         fail(f"{what}, and --resume {start.path} is not from it: choose another {named('--output-dir')}, or {aside}")
-    if start.auto or named("--output-dir") == "OUTPUT_DIR":
+    if start.auto or run_sh:
         fail(f"{what}, no checkpoint to continue from: choose another {named('--output-dir')}, or {aside}")
     fail(f"{what}: continue it with --resume auto, choose another --output-dir, or {aside}")
 
@@ -529,10 +527,8 @@ def replacing(args, start):
 
 def make_run_outputs(args, start):
     """Rank 0, after every check, before the process group (the other ranks wait for it there): the folders made
-    and probed, --output-dir held (when it was new); with --overwrite, a run already there moved into a folder
-    inside it (nothing deleted), so the new run's files and pictures are its own."""
-    make_folder("--output-dir", args.output_dir)
-    hold_output(args)
+    and probed (--output-dir was, as the preflight held it: hold); with --overwrite, a run already there moved into a
+    folder inside it (nothing deleted), so the new run's files and pictures are its own."""
     remove_leftovers(args.output_dir)
     if replacing(args, start):
         moved = move_aside(args.output_dir, RUN_FILES, "replaced")
@@ -549,18 +545,14 @@ def make_run_outputs(args, start):
     RUN.held = [(fd, lock, []) for fd, lock, _ in RUN.held]  # every check passed: the folders are the run's, kept
 
 
-def _leftover(name):
-    """A temporary file of a write that was killed: a run file's name, a dot, anything, ".tmp" (main.py's
-    checkpoint.pth.PID-TIME.tmp, temporary_name()'s)."""
-    return name.endswith(".tmp") and any(name.startswith(f"{run_file}.") for run_file in RECORDS)
-
-
 def remove_leftovers(folder):
-    """Rank 0, holding folder: the temporary files of writes that a kill cut short are removed. No live run writes
-    there (this one holds it), and a killed save's second name for an old checkpoint keeps its blocks on the disk."""
+    """Rank 0, holding folder: the temporary files of writes that a kill cut short are removed (a run file's name, a
+    dot, anything, ".tmp": main.py's checkpoint.pth.PID-TIME.tmp, temporary_name()'s). No live run writes there
+    (this one holds it), and a killed save's second name for an old checkpoint keeps its blocks on the disk."""
     for name in os.listdir(folder):
         path = os.path.join(folder, name)
-        if _leftover(name) and os.path.isfile(path) and not os.path.islink(path):
+        leftover = name.endswith(".tmp") and any(name.startswith(f"{run_file}.") for run_file in RECORDS)
+        if leftover and os.path.isfile(path) and not os.path.islink(path):
             os.remove(path)
 
 
@@ -617,6 +609,12 @@ def _refuse(flag, folder, args, holder):
                f"{named(flag)}" + (" (-e writes eval.json there)" if eval_json else ""))
 
 
+def _this_job(holder):
+    """Whether a holder's record is this job's own (a torchrun restart's attempt before): the same run id."""
+    run_id = job.env().run_id
+    return bool(run_id) and holder.get("run_id") == run_id
+
+
 def process_stat(pid):
     """The fields of /proc/PID/stat after the process's name (the 3rd field first: its state), or None where /proc
     cannot say (no such process, not Linux). The name, in parentheses, may hold spaces and parentheses itself."""
@@ -641,10 +639,9 @@ def hold(flag, folder, args):
     another folder's record (cp -a, a backup) is another file. --check-only only looks (_held: run.sh's preflight
     refuses before torchrun starts). Held before anything in the folder is read or decided (_open_and_lock makes
     it): no other run can begin and end there between this run's checks and its first write."""
-    place = os.path.realpath(folder)
-    if job.env().rank != 0 or any(os.path.realpath(os.path.dirname(p)) == place for _, p, _ in RUN.held):
-        return
     path = os.path.join(folder, HOLD)
+    if job.env().rank != 0 or any(same_name(path, held) for _, held, _ in RUN.held):
+        return
     _check_lock_file(path)
     if getattr(args, "check_only", None):
         if _held(folder):
@@ -653,14 +650,14 @@ def hold(flag, folder, args):
     fd, made = _open_and_lock(flag, folder, args, path)
     if fd is None:
         return  # a filesystem without locks: said
-    before, run_id = _holder(path), job.env().run_id
+    before, inode = _holder(path), os.fstat(fd).st_ino
     # (a torchrun restart of this job takes its own back without a word)
-    if before and before.get("file") == os.fstat(fd).st_ino and not (run_id and before.get("run_id") == run_id):
+    if before and before.get("file") == inode and not _this_job(before):
         print(f"note: {folder} was held by host {before.get('host')}, process {before.get('pid')} (since "
               f"{before.get('since')}), which ended without letting go (killed, or its machine lost): taken over",
               flush=True)
     record = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.strftime("%Y-%m-%d %H:%M:%S"),
-              "run_id": run_id, "file": os.fstat(fd).st_ino}
+              "run_id": job.env().run_id, "file": inode}
     RUN.held.append((fd, path, made))  # held: let go at the end (release_output), also if the line below fails
     try:  # into the locked file itself (the lock is its own): not a new file renamed over it
         os.ftruncate(fd, 0)
@@ -702,8 +699,8 @@ def _open_and_lock(flag, folder, args, path):
                 print(f"note: {folder} cannot be locked ({error.strerror or error}): nothing keeps another run "
                       "from writing there at the same time (docs/troubleshooting.md, one folder, one run)", flush=True)
                 return None, made
-            holder, run_id = _holder(path) or {}, job.env().run_id
-            if not (job.env().restarts and run_id and holder.get("run_id") == run_id) or time.time() > deadline:
+            holder = _holder(path) or {}
+            if not (job.env().restarts and _this_job(holder)) or time.time() > deadline:
                 _refuse(flag, folder, args, holder)
             if not said:
                 print(f"note: {folder} is still held by this job's attempt before the restart (host "

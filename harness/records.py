@@ -23,7 +23,7 @@ import torch
 from PIL import Image
 
 from . import checkpoints, checks, inference, job, paths, stops
-from dataset import CLASS_COLORS, is_prediction
+from dataset import is_prediction
 from .errors import fail
 from .job import RUN, is_main_process, log, named
 
@@ -36,11 +36,11 @@ def open_tensorboard(args, first_iteration):
     if not (args.tensorboard and is_main_process()):
         return
     from torch.utils.tensorboard import SummaryWriter  # optional: the preflight found it installed
+    folder = os.path.join(args.output_dir, "tensorboard")
     try:
-        RUN.records.writer = SummaryWriter(os.path.join(args.output_dir, "tensorboard"), purge_step=first_iteration)
+        RUN.records.writer = SummaryWriter(folder, purge_step=first_iteration)
     except OSError as error:
-        fail(paths.cannot_write(f"TensorBoard's files in {args.output_dir}", error,
-                                os.path.join(args.output_dir, "tensorboard")), this_rank=True)
+        fail(paths.cannot_write(f"TensorBoard's files in {args.output_dir}", error, folder), this_rank=True)
 
 
 def draw(iteration, loss, lr, images_per_s):
@@ -87,11 +87,6 @@ def palette(colors):
     return table
 
 
-def colorize(labels, colors=CLASS_COLORS):
-    """(H, W) class indices -> (H, W, 3) uint8 in the classes' colours (Cityscapes' by default); ignore is black."""
-    return palette(colors)[labels.long()]
-
-
 @torch.inference_mode()
 def picture(model, loader, device, args, normalize):
     """Rank 0: (image, label, prediction) of its first val image, for vis/ and TensorBoard; None on the other ranks.
@@ -109,7 +104,8 @@ def picture(model, loader, device, args, normalize):
 def save_picture(path, sample, colors):
     """image | ground truth | prediction, side by side, in the classes' colours (ignore in black). -> the picture."""
     image, label, prediction = sample  # image: uint8 (3, H, W), as the data set gives it
-    picture = torch.cat([image.permute(1, 2, 0), colorize(label, colors), colorize(prediction, colors)], dim=1)
+    table = palette(colors)  # (H, W) class indices -> (H, W, 3) colours: table[indices]
+    picture = torch.cat([image.permute(1, 2, 0), table[label.long()], table[prediction.long()]], dim=1)
     paths.write_atomically(path, lambda f: Image.fromarray(picture.numpy()).save(f, format="PNG"), durable=False)
     return picture
 
@@ -163,31 +159,30 @@ def write_eval(args, evaluation, sample, classes, num_images):
     that says what it held, and only by a whole new one: a write that fails (a full disk) leaves it as it was, and
     ends in one line that says so. Then, on every rank, predictions that could not be written end the run in one
     line (say_lost_predictions)."""
-    if not is_main_process():
-        say_lost_predictions(args)
-        return
-    path = os.path.join(args.output_dir, "eval.json")
-    earlier = ""
-    try:
-        with open(path) as f:
-            old = json.load(f)
-        earlier = (f"; it replaces the earlier one (mIoU {old['miou']:.4f} of {old.get('checkpoint')}, "
-                   f"{old.get('mode')})")
-    except (OSError, ValueError, KeyError, TypeError):
-        pass  # none, or not one of ours: nothing to say of it
-    result = {"miou": evaluation.miou, "iou": iou_dict(evaluation.iou, classes["names"]), "num_images": num_images,
-              "checkpoint": args.resume, "eval_time_s": evaluation.seconds,
-              "mode": inference.describe(inference.read_mode(args)), "images_per_s": num_images / evaluation.seconds}
-    try:
-        save_picture(os.path.join(args.output_dir, "vis", "eval.png"), sample, classes["colors"])
-        paths.write_atomically(path, (json.dumps(result, indent=1) + "\n").encode())  # last: replaced whole, or not
-    except OSError as error:
-        as_it_was = "eval.json is as it was" if os.path.isfile(path) else "no eval.json was written"
-        fail(paths.cannot_write(f"in {args.output_dir}", error, path, f"{as_it_was}; ",
-                                f", or give -e another {named('--output-dir')}"), this_rank=True)
-    lost = RUN.records.lost_predictions
-    written = f" and predictions to {args.save_predictions}" if args.save_predictions and not lost else ""
-    log(f"wrote {path}{written}" + earlier)
+    if is_main_process():
+        path = os.path.join(args.output_dir, "eval.json")
+        earlier = ""
+        try:
+            with open(path) as f:
+                old = json.load(f)
+            earlier = (f"; it replaces the earlier one (mIoU {old['miou']:.4f} of {old.get('checkpoint')}, "
+                       f"{old.get('mode')})")
+        except (OSError, ValueError, KeyError, TypeError):
+            pass  # none, or not one of ours: nothing to say of it
+        result = {"miou": evaluation.miou, "iou": iou_dict(evaluation.iou, classes["names"]),
+                  "num_images": num_images, "checkpoint": args.resume, "eval_time_s": evaluation.seconds,
+                  "mode": inference.describe(inference.read_mode(args)),
+                  "images_per_s": num_images / evaluation.seconds}
+        try:
+            save_picture(os.path.join(args.output_dir, "vis", "eval.png"), sample, classes["colors"])
+            paths.write_atomically(path, (json.dumps(result, indent=1) + "\n").encode())  # last: replaced whole, or not
+        except OSError as error:
+            as_it_was = "eval.json is as it was" if os.path.isfile(path) else "no eval.json was written"
+            fail(paths.cannot_write(f"in {args.output_dir}", error, path, f"{as_it_was}; ",
+                                    f", or give -e another {named('--output-dir')}"), this_rank=True)
+        lost = RUN.records.lost_predictions
+        written = f" and predictions to {args.save_predictions}" if args.save_predictions and not lost else ""
+        log(f"wrote {path}{written}" + earlier)
     say_lost_predictions(args)
 
 
@@ -204,7 +199,7 @@ def say_where_things_are(args, best_miou):
              ("metrics.jsonl", "one line per epoch: loss, lr, mIoU, IoU per class, images/s, data wait, memory"),
              ("vis/", "epoch_NNN.png: image | ground truth | prediction"),
              ("tensorboard/", f"the curves: tensorboard --logdir {out}")]
-    found = [(os.path.join(out, name), what) for name, what in files if os.path.exists(os.path.join(out, name))]
+    found = [(path, what) for name, what in files if os.path.exists(path := os.path.join(out, name))]
     if args.save_predictions:
         found.append((args.save_predictions.rstrip("/") + "/", "the last epoch's val predictions"))
     width = max((len(path) for path, _ in found), default=0)
@@ -222,10 +217,11 @@ def check_predictions_folder(args, val_set):
     folder = args.save_predictions
     if folder is None:
         return
-    for place in paths.above(os.path.realpath(folder)):
+    real = os.path.realpath(folder)
+    for place in paths.above(real):
         found = [name for name in ("classes.json", "leftImg8bit") if os.path.exists(os.path.join(place, name))]
         if found:
-            where = "is" if place == os.path.realpath(folder) else "is inside"
+            where = "is" if place == real else "is inside"
             fail(f"--save-predictions {folder} {where} the data set {place} (it holds {found[0]}): predictions would "
                  "land among its files, and a data set's masks are its ground truth; give a folder outside every "
                  "data set")
