@@ -568,21 +568,23 @@ def _write_beat(group, rank):
 
 def _read_beats(group):
     """{rank: (process id, seconds since its last beat, steps done)} of the ranks of this group on this node."""
-    beats, here, now, folder = {}, socket.gethostname(), time.time(), _peers_folder()
-    if folder is None:
-        return beats
+    return {int(name.split(".")[1]): beat for name, beat in _beat_files() if name.split(".")[:-1] == [group]}
+
+
+def _beat_files():
+    """[(file name, (process id, seconds since its last beat, steps done))] of the heartbeat files of this machine in
+    _peers_folder (and of their writes' temporary files; not run.sh's stop file, which holds no beat)."""
+    beats, here, now, folder = [], socket.gethostname(), time.time(), _peers_folder()
     try:
-        names = [name for name in os.listdir(folder) if name.split(".")[:-1] == [group]]  # (not .tmp)
+        names = os.listdir(folder) if folder else []
     except OSError:
-        return beats
+        names = []
     for name in names:
-        try:
+        with suppress(OSError, ValueError):  # replaced or removed meanwhile; not a heartbeat file
             with open(os.path.join(folder, name)) as f:
                 pid, host, stamp, steps = f.read().split()
             if host == here:
-                beats[int(name.split(".")[1])] = (int(pid), now - float(stamp), int(steps))
-        except (OSError, ValueError):
-            pass  # replaced meanwhile
+                beats.append((name, (int(pid), now - float(stamp), int(steps))))
     return beats
 
 
@@ -604,21 +606,10 @@ def _process_state(pid):
 
 def _remove_files_of_the_gone():
     """Heartbeat files of this machine whose process is gone: what killed ranks of earlier runs left."""
-    folder, here = _peers_folder(), socket.gethostname()
-    if folder is None:
-        return
-    try:
-        names = os.listdir(folder)
-    except OSError:
-        return
-    for name in names:
-        try:
-            with open(os.path.join(folder, name)) as f:
-                pid, host = f.read().split()[:2]
-            if host == here and _process_state(int(pid)) == "gone":
-                os.remove(os.path.join(folder, name))
-        except (OSError, ValueError):
-            pass  # not a heartbeat file (run.sh's stop file), or gone already
+    for name, (pid, _, _) in _beat_files():
+        if _process_state(pid) == "gone":
+            with suppress(OSError):  # gone already
+                os.remove(os.path.join(_peers_folder(), name))
 
 
 def _group_store(timeout_s=5.0):
@@ -649,43 +640,32 @@ def describe_peers():
     now, world_size = time.time(), get_world_size()
     group = RUN.guard.heartbeat[2]["group"] if RUN.guard.heartbeat else None
     here = _read_beats(group) if group else {}
-    states = {}
     for _ in range(10):  # a killed peer's sockets close before its process has ended: give that a second
         states = {rank: "running" if rank == get_rank() else _process_state(beat[0]) for rank, beat in here.items()}
         if set(states.values()) != {"running"}:
             break
         time.sleep(0.1)
-    gone, stopped, silent, steps = [], {}, {}, {}
-    for rank, (_, age, step) in here.items():
-        state = states[rank]
-        if state == "gone":
-            gone.append(rank)
-        elif state == "stopped":
-            stopped[rank] = age
+    steps, said = {rank: step for rank, (_, _, step) in here.items()}, []  # said: (its kind's place, rank, words)
+    for rank, (_, age, _) in here.items():
+        if states[rank] == "gone":
+            said.append((0, rank, f"rank {rank}'s process is gone (killed, or it failed: its own lines say which)"))
+        elif states[rank] == "stopped":
+            said.append((1, rank, f"rank {rank} silent for {age:.0f} s (its process is stopped: SIGSTOP, or a "
+                                  "debugger)"))
         elif age > 3 * HEARTBEAT_S:
-            silent[rank] = age
-        steps[rank] = step
-    others, unanswered = [r for r in range(world_size) if r not in here], False
-    if others:
-        try:
-            store = _group_store()
-        except Exception:
-            store, unanswered = None, True
-        for rank in others if store is not None else []:
-            try:
-                if store.check([f"deeplab/heartbeat/{rank}"]):
-                    stamp, step = store.get(f"deeplab/heartbeat/{rank}").decode().split()
-                    steps[rank] = int(step)
-                    if now - float(stamp) > 3 * HEARTBEAT_S:
-                        silent[rank] = now - float(stamp)
-            except Exception:
-                pass
-    parts = [f"rank {r}'s process is gone (killed, or it failed: its own lines say which)" for r in sorted(gone)]
-    parts += [f"rank {r} silent for {age:.0f} s (its process is stopped: SIGSTOP, or a debugger)"
-              for r, age in sorted(stopped.items())]
-    parts += [f"rank {r} silent for {age:.0f} s (" + ("alive, but hung" if r in here else "stopped, killed, or cut off")
-              + ")" for r, age in sorted(silent.items())]
-    if unanswered:  # rank 0's process serves the store: gone, unless it is seen here
+            said.append((2, rank, f"rank {rank} silent for {age:.0f} s (alive, but hung)"))
+    others, store = [r for r in range(world_size) if r not in here], None
+    with suppress(Exception):  # no answer: said below
+        store = _group_store() if others else None
+    for rank in others if store is not None else []:
+        with suppress(Exception):
+            if store.check([f"deeplab/heartbeat/{rank}"]):
+                stamp, step = store.get(f"deeplab/heartbeat/{rank}").decode().split()
+                steps[rank], age = int(step), now - float(stamp)
+                if age > 3 * HEARTBEAT_S:
+                    said.append((2, rank, f"rank {rank} silent for {age:.0f} s (stopped, killed, or cut off)"))
+    parts = [words for _, _, words in sorted(said)]
+    if others and store is None:  # rank 0's process serves the store: gone, unless it is seen here
         blame = "" if 0 in here else ": rank 0 is gone, or its node cut off"
         parts.append(f"rank(s) {others} not heard from (the process group's store, which rank 0's process serves, "
                      f"does not answer{blame})")
