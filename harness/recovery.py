@@ -468,7 +468,7 @@ def start_heartbeat(minutes, after_s=5.0, every_s=60.0):
             _write_beat(beat["group"], rank)
             if store is not None and len(_read_beats(beat["group"])) < world_size:  # for a rank of another node
                 try:
-                    store.set(f"deeplab/heartbeat/{rank}", f"{time.time()} {stops.steps_done()}")
+                    store.set(f"deeplab/heartbeat/{rank}", f"{time.time()} {RUN.stops.steps}")
                 except Exception:  # the store is gone (rank 0 with it?): the files go on
                     store = None
             stopping.wait(HEARTBEAT_S)
@@ -561,7 +561,7 @@ def _write_beat(group, rank):
     folder = _peers_folder()
     if folder is None:
         return  # nowhere to write it: the store alone tells of this rank
-    beat = f"{os.getpid()} {socket.gethostname()} {time.time()} {stops.steps_done()}"
+    beat = f"{os.getpid()} {socket.gethostname()} {time.time()} {RUN.stops.steps}"
     with suppress(OSError):
         paths.write_atomically(os.path.join(folder, f"{group}.{rank}"), beat.encode(), durable=False)
 
