@@ -76,8 +76,7 @@ def guard(program, args=None):
     except KeyboardInterrupt:  # a stop where it ends at once (-e, predict.py, the tools; stops.install): one line
         if is_main_process():
             signum = RUN.stops.signal
-            print(f"{program}: stopped ({signal.Signals(signum).name if signum else 'Ctrl-C'})", file=sys.stderr,
-                  flush=True)
+            _say(f"{program}: stopped ({signal.Signals(signum).name if signum else 'Ctrl-C'})")
         sys.exit(130)
     except (UserError, WeightsError) as error:
         if isinstance(error, paths.Held):  # another run's folder: nothing of this run is written there
@@ -90,10 +89,8 @@ def guard(program, args=None):
             _say_record_and_exit(_one_line(error), say_it=is_main_process())
         _said_by_this_rank(_one_line(error))
     except Exception as error:
-        if isinstance(error, torch.OutOfMemoryError) or is_cpu_out_of_memory(error):
-            _said_by_this_rank(out_of_memory(error))
-        if data_worker_lost(error):
-            _said_by_this_rank(data_worker_lost(error))
+        if said := out_of_memory(error) or data_worker_lost(error):
+            _said_by_this_rank(said)
         if not dist.is_initialized() and RUN.guard.waiting_since is not None:  # (gloo's own: RuntimeError)
             _say_record_and_exit(f"rank {get_rank()}: " + _did_not_meet(error), say_it=True)
         if not (dist.is_initialized() and is_collective_failure(error)):
@@ -104,6 +101,11 @@ def guard(program, args=None):
         stop_heartbeat()
         records.close_tensorboard()
         paths.release_output()  # --output-dir free for the next run (paths.hold_output)
+
+
+def _say(line):
+    """A line on stderr, at once."""
+    print(line, file=sys.stderr, flush=True)
 
 
 def _said_by_this_rank(message):
@@ -173,8 +175,8 @@ def _lost_peer(error):
         last = f" The last checkpoint: {checkpoint}; {job.resume_advice()}"
     elif checkpoint:
         last = " No checkpoint was written yet: run the same command again to start over"
-    print(f"{RUN.guard.program}: error: rank {get_rank()}: a collective failed or waited more than --dist-timeout "
-          f"({_one_line(error)}). {describe_peers()}.{last}", file=sys.stderr, flush=True)
+    _say(f"{RUN.guard.program}: error: rank {get_rank()}: a collective failed or waited more than --dist-timeout "
+         f"({_one_line(error)}). {describe_peers()}.{last}")
     os._exit(1)
 
 
@@ -249,8 +251,11 @@ def _smaller_batch(batch, accum_steps):
 
 
 def out_of_memory(error):
-    """The one line for torch.OutOfMemoryError: what ran out (told by the function it was raised in), with which
-    settings, the device's memory, and what to change, in the flags of the program that ran out."""
+    """The one line for torch.OutOfMemoryError (or the CPU's): what ran out (told by the function it was raised in),
+    with which settings, the device's memory, and what to change, in the flags of the program that ran out; None for
+    another error."""
+    if not (isinstance(error, torch.OutOfMemoryError) or is_cpu_out_of_memory(error)):
+        return None
     phase = next((_RAN_OUT_IN[frame.name] for frame in reversed(traceback.extract_tb(error.__traceback__))
                   if frame.name in _RAN_OUT_IN and os.path.basename(frame.filename) in ("main.py", "predict.py")),
                  "setting up")
@@ -333,7 +338,7 @@ def _say_record_and_exit(message, say_it):
             if not _peer_stopped_on_a_mistake() and get_rank() == 1:
                 message, say_it = f"rank 1: {message}", True
     if say_it:
-        print(f"{RUN.guard.program}: error: {message}", file=sys.stderr, flush=True)
+        _say(f"{RUN.guard.program}: error: {message}")
         if get_world_size() > 1 or job.env().run_id is not None:
             record = {"run_id": job.env().run_id or "", "time": time.time(), "message": message}
             for path in _stop_files():  # the first that takes it; none: restarts may repeat the line, nothing worse
@@ -404,15 +409,12 @@ def _exit_or_clear_stop_record():
         return
     started = _job_started()
     for path, record in _stop_records():
-        if started is not None:
-            if record.get("run_id") == run_id and record["time"] >= started:
-                sys.exit(1)
-        elif job.env().restarts > 0:
-            if record.get("run_id") == run_id:
-                sys.exit(1)
-        elif is_main_process():
-            with suppress(OSError):
-                os.remove(path)
+        if started is None and not job.env().restarts:
+            if is_main_process():
+                with suppress(OSError):
+                    os.remove(path)
+        elif record.get("run_id") == run_id and record["time"] >= (started or 0):  # (no start known: any time)
+            sys.exit(1)
 
 
 # --- a lost peer, and the wait for the peers ------------------------------------------------------------------
@@ -447,16 +449,15 @@ def start_heartbeat(minutes, after_s=5.0, every_s=60.0):
                 try:
                     agent.set("deeplab/store", str(own.port))
                 except Exception as error:  # torchrun has ended: no peer it started comes, none it did not will
-                    print(f"{env.program}: error: rank 0: torchrun's store at {env.master} stopped answering while "
-                          f"the process group formed ({first_line(error)}): torchrun has ended; start the job again",
-                          file=sys.stderr, flush=True)
+                    _say(f"{env.program}: error: rank 0: torchrun's store at {env.master} stopped answering while "
+                         f"the process group formed ({first_line(error)}): torchrun has ended; start the job again")
                     os._exit(1)  # (init_process_group waits in torch's C++: this thread ends the process)
             if stopping.wait(0.2):
                 return
             if time.time() >= say_at and (env.rank == 0 or env.local_rank == 0):
-                print(f"{env.program}: rank {env.rank}: waiting {time.time() - since:.0f} s for the "
-                      f"{env.world_size} processes to meet at {env.master} (the process group); it gives up at "
-                      f"{gives_up} (--dist-timeout {minutes:g} min)", file=sys.stderr, flush=True)
+                _say(f"{env.program}: rank {env.rank}: waiting {time.time() - since:.0f} s for the "
+                     f"{env.world_size} processes to meet at {env.master} (the process group); it gives up at "
+                     f"{gives_up} (--dist-timeout {minutes:g} min)")
                 say_at += every_s
         rank, world_size = get_rank(), get_world_size()
         try:
@@ -558,12 +559,9 @@ def _agree_on_a_name(store):
 
 def _write_beat(group, rank):
     """This rank's heartbeat file, written whole (replaced): its process, host, the time, steps done."""
-    folder = _peers_folder()
-    if folder is None:
-        return  # nowhere to write it: the store alone tells of this rank
     beat = f"{os.getpid()} {socket.gethostname()} {time.time()} {RUN.stops.steps}"
-    with suppress(OSError):
-        paths.write_atomically(os.path.join(folder, f"{group}.{rank}"), beat.encode(), durable=False)
+    with suppress(OSError, TypeError):  # (TypeError: no folder to write it in; the store alone tells of this rank)
+        paths.write_atomically(os.path.join(_peers_folder(), f"{group}.{rank}"), beat.encode(), durable=False)
 
 
 def _read_beats(group):
