@@ -231,9 +231,9 @@ def check_global_batch(args, images, world_size):
     run_sh = job.env().under_run_sh  # run.sh chooses -b and --accum-steps itself: the user sets them after ./run.sh
     what = f"--batch-size {args.batch_size} x {world_size} process(es)" + (f" x --accum-steps {accum}" if accum > 1
                                                                           else "")
-    if images // (world_size * accum) >= 1:
+    if images >= world_size * accum:
         advice = f"{'./run.sh -b' if run_sh else '--batch-size'} {images // (world_size * accum)} or less"
-    elif images // world_size >= 1:
+    elif images >= world_size:
         advice = f"{'./run.sh ' if run_sh else ''}-b 1 --accum-steps {images // world_size} or less"
     else:
         advice = (f"at most {images} process(es){' in all (NPROC x NNODES)' if run_sh else ''}, or more training "

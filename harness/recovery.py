@@ -293,11 +293,9 @@ def is_collective_failure(error):
     What it cannot tell apart: a dead peer, a hung one and a broken network (the heartbeats do), and a
     collective that failed for a reason of its own (a CUDA error inside NCCL) from a lost peer. With NCCL,
     its watchdog usually ends the process at the timeout before the error reaches Python at all."""
-    if isinstance(error, dist.DistError):
-        return True
     if not isinstance(error, RuntimeError):
         return False
-    if "/gloo/" in str(error):
+    if isinstance(error, dist.DistError) or "/gloo/" in str(error):  # (a DistError is a RuntimeError)
         return True
     # Raised by a call from torch.distributed's Python into its C++ (a collective), not by one of its own
     # `raise` statements (DDP's own errors, such as parameters that got no gradient, are mistakes, not peers).
@@ -382,9 +380,8 @@ def _job_started():
     may say a mistake again."""
     if job.env().run_id is None:
         return None
-    with suppress(OSError, ValueError, IndexError, StopIteration):
-        with open(f"/proc/{os.getppid()}/stat") as f:
-            ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22: its start, in ticks after boot
+    with suppress(OSError, ValueError, IndexError, TypeError, StopIteration):  # (TypeError: no /proc/PPID/stat)
+        ticks = int(paths.process_stat(os.getppid())[19])  # field 22: its start, in ticks after boot
         with open("/proc/stat") as f:
             boot = next(int(line.split()[1]) for line in f if line.startswith("btime "))
         # 1 s earlier, so that a record stamped by a node whose clock runs behind still counts (the worker's seconds
@@ -635,7 +632,7 @@ def _did_not_meet(error):
 def describe_peers():
     """Which rank a failed collective lost: one line. The ranks of this node from their files, as their processes
     are (gone, stopped, running); the others from their beats in the group's store, as far as it answers."""
-    now, world_size = time.time(), get_world_size()
+    now = time.time()
     group = RUN.guard.heartbeat[2]["group"] if RUN.guard.heartbeat else None
     here = _read_beats(group) if group else {}
     for _ in range(10):  # a killed peer's sockets close before its process has ended: give that a second
@@ -652,7 +649,7 @@ def describe_peers():
                                   "debugger)"))
         elif age > 3 * HEARTBEAT_S:
             said.append((2, rank, f"rank {rank} silent for {age:.0f} s (alive, but hung)"))
-    others, store = [r for r in range(world_size) if r not in here], None
+    others, store = [r for r in range(get_world_size()) if r not in here], None
     with suppress(Exception):  # no answer: said below
         store = _group_store() if others else None
     for rank in others if store is not None else []:
