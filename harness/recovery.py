@@ -277,9 +277,9 @@ def out_of_memory(error):
         tries += ["-b 1" if args.batch_size > 1 else None, windows]
     else:
         settings, tries = "before the first step", tries + ["a smaller model (--model)"]
-    tries = [what for what in tries if what]
+    *most, last = filter(None, tries)
     under_run_sh = job.env().under_run_sh and RUN.guard.program == "main.py"
-    advice = ", ".join(tries[:-1]) + (", or " if len(tries) > 1 else "") + tries[-1]
+    advice = (", ".join(most) + ", or " if most else "") + last
     return (f"out of memory in {phase} ({settings}, {precision or 'fp32'}; {device}: {total:.1f} GiB in all, "
             f"{peak:.1f} GiB at the peak): try {advice}" + (" (after ./run.sh)" if under_run_sh else ""))
 
@@ -607,13 +607,13 @@ def _remove_files_of_the_gone():
                 os.remove(os.path.join(_peers_folder(), name))
 
 
-def _group_store(timeout_s=5.0):
+def _group_store():
     """A connection of this process's own to the store at MASTER_ADDR:MASTER_PORT, where init_process_group's env://
     rendezvous meets (rank 0 serves it) or, before that, torchrun's agent serves its own. Through torch's public
-    TCPStore, not the group's own connection, which torch keeps private. timeout_s: for each call too (the launcher
-    may be tearing the store down: do not wait on it)."""
+    TCPStore, not the group's own connection, which torch keeps private. Its 5 s timeout holds for each call too (the
+    launcher may be tearing the store down: do not wait on it)."""
     return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                         timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+                         timeout=timedelta(seconds=5), wait_for_workers=False)
 
 
 def _did_not_meet(error):
