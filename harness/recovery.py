@@ -122,9 +122,10 @@ def _begin(program, args):
     # UnicodeEncodeError from a print of a path or a class name, mid-run: such a character is written as its escape
     # (\xe9, \u0434) instead.
     for stream in (sys.stdout, sys.stderr):
-        if hasattr(stream, "reconfigure"):  # (a TextIOWrapper; not a stream replaced by one of another kind)
-            with suppress(ValueError, OSError, TypeError):  # closed, a broken pipe, a reconfigure without errors=
-                stream.reconfigure(errors="backslashreplace")
+        # (AttributeError: not a TextIOWrapper, a stream replaced by one of another kind; closed, a broken pipe, a
+        # reconfigure without errors=)
+        with suppress(AttributeError, ValueError, OSError, TypeError):
+            stream.reconfigure(errors="backslashreplace")
     RUN.guard = job.Guard(program=program, args=args,
                           output_dir=getattr(args, "output_dir", None) if program == "main.py" else None)
     # At exit the interpreter's garbage collections walk every object torch and torchvision made. It costs about 2 s
@@ -633,8 +634,7 @@ def describe_peers():
     """Which rank a failed collective lost: one line. The ranks of this node from their files, as their processes
     are (gone, stopped, running); the others from their beats in the group's store, as far as it answers."""
     now = time.time()
-    group = RUN.guard.heartbeat[2]["group"] if RUN.guard.heartbeat else None
-    here = _read_beats(group) if group else {}
+    here = _read_beats(RUN.guard.heartbeat[2]["group"]) if RUN.guard.heartbeat else {}  # (no group yet: none)
     for _ in range(10):  # a killed peer's sockets close before its process has ended: give that a second
         states = {rank: "running" if rank == get_rank() else _process_state(beat[0]) for rank, beat in here.items()}
         if set(states.values()) != {"running"}:
