@@ -82,14 +82,15 @@ def _evaluate_as_the_run_did(args, saved, path):
     (main.py's build() takes its --amp; fp16, which runs on CUDA alone here, is bf16 on the CPU) and in its window
     (--eval-crop, --eval-stride), unless given here. One line says what it takes from the checkpoint, or how it
     evaluates otherwise than the run did."""
-    run_mode = inference.read_mode(SimpleNamespace(eval_crop=saved.get("eval_crop"), eval_scales=None,
-                                                   eval_stride=saved.get("eval_stride"), eval_flip=False))
-    if args.eval_crop is None and args.eval_stride is None:
-        args.eval_crop, args.eval_stride = saved.get("eval_crop"), saved.get("eval_stride")
+    crop, stride = saved.get("eval_crop"), saved.get("eval_stride")
+    run_mode = inference.read_mode(SimpleNamespace(eval_crop=crop, eval_scales=None, eval_stride=stride,
+                                                   eval_flip=False))
+    if args.eval_stride is None:  # the run's window, unless one is given
+        if args.eval_crop is None:
+            args.eval_crop = crop
+        if run_mode and inference.read_mode(args).crop == run_mode.crop:  # (perhaps written another way): its stride
+            args.eval_stride = stride
     mode = inference.read_mode(args)
-    if args.eval_stride is None and run_mode and mode.crop == run_mode.crop:
-        args.eval_stride = saved.get("eval_stride")  # the run's window, written another way: its stride too
-        mode = inference.read_mode(args)
     theirs = saved.get("amp") or "off"
     if args.amp is None and theirs == "fp16" and not torch.cuda.is_available():
         args.amp = "bf16"  # (checks.autocast: fp16 on CUDA alone)
@@ -114,15 +115,15 @@ def check_data_and_make_outputs(args, train_set, val_set, checkpoint):
     world_size = args.check_only or job.get_world_size()
     check_data(args, train_set, val_set, world_size)
     records.check_predictions_folder(args, val_set)  # no data set's masks replaced by predictions
+    resuming = checkpoint and not args.evaluate
     if args.check_only:
         # main.py train()'s test for a resumed checkpoint, and its line word for word
-        if checkpoint and not args.evaluate and checkpoint["epoch"] >= args.epochs:
+        if resuming and checkpoint["epoch"] >= args.epochs:
             print(f"nothing to train: {args.resume} has finished {checkpoint['epoch']} epochs, as many as --epochs "
                   f"{args.epochs} asks or more; {TRAIN_LONGER}", flush=True)
             raise Finished(NOTHING_TO_TRAIN)
         raise Finished
     start = RUN.start
-    resuming = checkpoint and not args.evaluate
     epoch, step = (checkpoint["epoch"], checkpoint["step"]) if resuming else (args.start_epoch, 0)
     with stops.deferred():  # a stop while rank 0 moves an old run aside or rewinds one: after, not half-way
         if job.is_main_process():
@@ -230,9 +231,9 @@ def check_global_batch(args, images, world_size):
     run_sh = job.env().under_run_sh  # run.sh chooses -b and --accum-steps itself: the user sets them after ./run.sh
     what = f"--batch-size {args.batch_size} x {world_size} process(es)" + (f" x --accum-steps {accum}" if accum > 1
                                                                           else "")
-    if images // (world_size * accum) >= 1:
+    if images >= world_size * accum:
         advice = f"{'./run.sh -b' if run_sh else '--batch-size'} {images // (world_size * accum)} or less"
-    elif images // world_size >= 1:
+    elif images >= world_size:
         advice = f"{'./run.sh ' if run_sh else ''}-b 1 --accum-steps {images // world_size} or less"
     else:
         advice = (f"at most {images} process(es){' in all (NPROC x NNODES)' if run_sh else ''}, or more training "

@@ -76,8 +76,7 @@ def guard(program, args=None):
     except KeyboardInterrupt:  # a stop where it ends at once (-e, predict.py, the tools; stops.install): one line
         if is_main_process():
             signum = RUN.stops.signal
-            print(f"{program}: stopped ({signal.Signals(signum).name if signum else 'Ctrl-C'})", file=sys.stderr,
-                  flush=True)
+            _say(f"{program}: stopped ({signal.Signals(signum).name if signum else 'Ctrl-C'})")
         sys.exit(130)
     except (UserError, WeightsError) as error:
         if isinstance(error, paths.Held):  # another run's folder: nothing of this run is written there
@@ -90,10 +89,8 @@ def guard(program, args=None):
             _say_record_and_exit(_one_line(error), say_it=is_main_process())
         _said_by_this_rank(_one_line(error))
     except Exception as error:
-        if isinstance(error, torch.OutOfMemoryError) or is_cpu_out_of_memory(error):
-            _said_by_this_rank(out_of_memory(error))
-        if data_worker_lost(error):
-            _said_by_this_rank(data_worker_lost(error))
+        if said := out_of_memory(error) or data_worker_lost(error):
+            _said_by_this_rank(said)
         if not dist.is_initialized() and RUN.guard.waiting_since is not None:  # (gloo's own: RuntimeError)
             _say_record_and_exit(f"rank {get_rank()}: " + _did_not_meet(error), say_it=True)
         if not (dist.is_initialized() and is_collective_failure(error)):
@@ -104,6 +101,11 @@ def guard(program, args=None):
         stop_heartbeat()
         records.close_tensorboard()
         paths.release_output()  # --output-dir free for the next run (paths.hold_output)
+
+
+def _say(line):
+    """A line on stderr, at once."""
+    print(line, file=sys.stderr, flush=True)
 
 
 def _said_by_this_rank(message):
@@ -120,9 +122,10 @@ def _begin(program, args):
     # UnicodeEncodeError from a print of a path or a class name, mid-run: such a character is written as its escape
     # (\xe9, \u0434) instead.
     for stream in (sys.stdout, sys.stderr):
-        if hasattr(stream, "reconfigure"):  # (a TextIOWrapper; not a stream replaced by one of another kind)
-            with suppress(ValueError, OSError, TypeError):  # closed, a broken pipe, a reconfigure without errors=
-                stream.reconfigure(errors="backslashreplace")
+        # (AttributeError: not a TextIOWrapper, a stream replaced by one of another kind; closed, a broken pipe, a
+        # reconfigure without errors=)
+        with suppress(AttributeError, ValueError, OSError, TypeError):
+            stream.reconfigure(errors="backslashreplace")
     RUN.guard = job.Guard(program=program, args=args,
                           output_dir=getattr(args, "output_dir", None) if program == "main.py" else None)
     # At exit the interpreter's garbage collections walk every object torch and torchvision made. It costs about 2 s
@@ -173,8 +176,8 @@ def _lost_peer(error):
         last = f" The last checkpoint: {checkpoint}; {job.resume_advice()}"
     elif checkpoint:
         last = " No checkpoint was written yet: run the same command again to start over"
-    print(f"{RUN.guard.program}: error: rank {get_rank()}: a collective failed or waited more than --dist-timeout "
-          f"({_one_line(error)}). {describe_peers()}.{last}", file=sys.stderr, flush=True)
+    _say(f"{RUN.guard.program}: error: rank {get_rank()}: a collective failed or waited more than --dist-timeout "
+         f"({_one_line(error)}). {describe_peers()}.{last}")
     os._exit(1)
 
 
@@ -249,8 +252,11 @@ def _smaller_batch(batch, accum_steps):
 
 
 def out_of_memory(error):
-    """The one line for torch.OutOfMemoryError: what ran out (told by the function it was raised in), with which
-    settings, the device's memory, and what to change, in the flags of the program that ran out."""
+    """The one line for torch.OutOfMemoryError (or the CPU's): what ran out (told by the function it was raised in),
+    with which settings, the device's memory, and what to change, in the flags of the program that ran out; None for
+    another error."""
+    if not (isinstance(error, torch.OutOfMemoryError) or is_cpu_out_of_memory(error)):
+        return None
     phase = next((_RAN_OUT_IN[frame.name] for frame in reversed(traceback.extract_tb(error.__traceback__))
                   if frame.name in _RAN_OUT_IN and os.path.basename(frame.filename) in ("main.py", "predict.py")),
                  "setting up")
@@ -272,9 +278,9 @@ def out_of_memory(error):
         tries += ["-b 1" if args.batch_size > 1 else None, windows]
     else:
         settings, tries = "before the first step", tries + ["a smaller model (--model)"]
-    tries = [what for what in tries if what]
+    *most, last = filter(None, tries)
     under_run_sh = job.env().under_run_sh and RUN.guard.program == "main.py"
-    advice = ", ".join(tries[:-1]) + (", or " if len(tries) > 1 else "") + tries[-1]
+    advice = (", ".join(most) + ", or " if most else "") + last
     return (f"out of memory in {phase} ({settings}, {precision or 'fp32'}; {device}: {total:.1f} GiB in all, "
             f"{peak:.1f} GiB at the peak): try {advice}" + (" (after ./run.sh)" if under_run_sh else ""))
 
@@ -288,11 +294,9 @@ def is_collective_failure(error):
     What it cannot tell apart: a dead peer, a hung one and a broken network (the heartbeats do), and a
     collective that failed for a reason of its own (a CUDA error inside NCCL) from a lost peer. With NCCL,
     its watchdog usually ends the process at the timeout before the error reaches Python at all."""
-    if isinstance(error, dist.DistError):
-        return True
     if not isinstance(error, RuntimeError):
         return False
-    if "/gloo/" in str(error):
+    if isinstance(error, dist.DistError) or "/gloo/" in str(error):  # (a DistError is a RuntimeError)
         return True
     # Raised by a call from torch.distributed's Python into its C++ (a collective), not by one of its own
     # `raise` statements (DDP's own errors, such as parameters that got no gradient, are mistakes, not peers).
@@ -333,7 +337,7 @@ def _say_record_and_exit(message, say_it):
             if not _peer_stopped_on_a_mistake() and get_rank() == 1:
                 message, say_it = f"rank 1: {message}", True
     if say_it:
-        print(f"{RUN.guard.program}: error: {message}", file=sys.stderr, flush=True)
+        _say(f"{RUN.guard.program}: error: {message}")
         if get_world_size() > 1 or job.env().run_id is not None:
             record = {"run_id": job.env().run_id or "", "time": time.time(), "message": message}
             for path in _stop_files():  # the first that takes it; none: restarts may repeat the line, nothing worse
@@ -377,9 +381,8 @@ def _job_started():
     may say a mistake again."""
     if job.env().run_id is None:
         return None
-    with suppress(OSError, ValueError, IndexError, StopIteration):
-        with open(f"/proc/{os.getppid()}/stat") as f:
-            ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22: its start, in ticks after boot
+    with suppress(OSError, ValueError, IndexError, TypeError, StopIteration):  # (TypeError: no /proc/PPID/stat)
+        ticks = int(paths.process_stat(os.getppid())[19])  # field 22: its start, in ticks after boot
         with open("/proc/stat") as f:
             boot = next(int(line.split()[1]) for line in f if line.startswith("btime "))
         # 1 s earlier, so that a record stamped by a node whose clock runs behind still counts (the worker's seconds
@@ -404,15 +407,12 @@ def _exit_or_clear_stop_record():
         return
     started = _job_started()
     for path, record in _stop_records():
-        if started is not None:
-            if record.get("run_id") == run_id and record["time"] >= started:
-                sys.exit(1)
-        elif job.env().restarts > 0:
-            if record.get("run_id") == run_id:
-                sys.exit(1)
-        elif is_main_process():
-            with suppress(OSError):
-                os.remove(path)
+        if started is None and not job.env().restarts:
+            if is_main_process():
+                with suppress(OSError):
+                    os.remove(path)
+        elif record.get("run_id") == run_id and record["time"] >= (started or 0):  # (no start known: any time)
+            sys.exit(1)
 
 
 # --- a lost peer, and the wait for the peers ------------------------------------------------------------------
@@ -447,16 +447,15 @@ def start_heartbeat(minutes, after_s=5.0, every_s=60.0):
                 try:
                     agent.set("deeplab/store", str(own.port))
                 except Exception as error:  # torchrun has ended: no peer it started comes, none it did not will
-                    print(f"{env.program}: error: rank 0: torchrun's store at {env.master} stopped answering while "
-                          f"the process group formed ({first_line(error)}): torchrun has ended; start the job again",
-                          file=sys.stderr, flush=True)
+                    _say(f"{env.program}: error: rank 0: torchrun's store at {env.master} stopped answering while "
+                         f"the process group formed ({first_line(error)}): torchrun has ended; start the job again")
                     os._exit(1)  # (init_process_group waits in torch's C++: this thread ends the process)
             if stopping.wait(0.2):
                 return
             if time.time() >= say_at and (env.rank == 0 or env.local_rank == 0):
-                print(f"{env.program}: rank {env.rank}: waiting {time.time() - since:.0f} s for the "
-                      f"{env.world_size} processes to meet at {env.master} (the process group); it gives up at "
-                      f"{gives_up} (--dist-timeout {minutes:g} min)", file=sys.stderr, flush=True)
+                _say(f"{env.program}: rank {env.rank}: waiting {time.time() - since:.0f} s for the "
+                     f"{env.world_size} processes to meet at {env.master} (the process group); it gives up at "
+                     f"{gives_up} (--dist-timeout {minutes:g} min)")
                 say_at += every_s
         rank, world_size = get_rank(), get_world_size()
         try:
@@ -468,7 +467,7 @@ def start_heartbeat(minutes, after_s=5.0, every_s=60.0):
             _write_beat(beat["group"], rank)
             if store is not None and len(_read_beats(beat["group"])) < world_size:  # for a rank of another node
                 try:
-                    store.set(f"deeplab/heartbeat/{rank}", f"{time.time()} {stops.steps_done()}")
+                    store.set(f"deeplab/heartbeat/{rank}", f"{time.time()} {RUN.stops.steps}")
                 except Exception:  # the store is gone (rank 0 with it?): the files go on
                     store = None
             stopping.wait(HEARTBEAT_S)
@@ -558,31 +557,30 @@ def _agree_on_a_name(store):
 
 def _write_beat(group, rank):
     """This rank's heartbeat file, written whole (replaced): its process, host, the time, steps done."""
-    folder = _peers_folder()
-    if folder is None:
-        return  # nowhere to write it: the store alone tells of this rank
-    beat = f"{os.getpid()} {socket.gethostname()} {time.time()} {stops.steps_done()}"
-    with suppress(OSError):
-        paths.write_atomically(os.path.join(folder, f"{group}.{rank}"), beat.encode(), durable=False)
+    beat = f"{os.getpid()} {socket.gethostname()} {time.time()} {RUN.stops.steps}"
+    with suppress(OSError, TypeError):  # (TypeError: no folder to write it in; the store alone tells of this rank)
+        paths.write_atomically(os.path.join(_peers_folder(), f"{group}.{rank}"), beat.encode(), durable=False)
 
 
 def _read_beats(group):
     """{rank: (process id, seconds since its last beat, steps done)} of the ranks of this group on this node."""
-    beats, here, now, folder = {}, socket.gethostname(), time.time(), _peers_folder()
-    if folder is None:
-        return beats
+    return {int(name.split(".")[1]): beat for name, beat in _beat_files() if name.split(".")[:-1] == [group]}
+
+
+def _beat_files():
+    """[(file name, (process id, seconds since its last beat, steps done))] of the heartbeat files of this machine in
+    _peers_folder (and of their writes' temporary files; not run.sh's stop file, which holds no beat)."""
+    beats, here, now, folder = [], socket.gethostname(), time.time(), _peers_folder()
     try:
-        names = [name for name in os.listdir(folder) if name.split(".")[:-1] == [group]]  # (not .tmp)
+        names = os.listdir(folder) if folder else []
     except OSError:
-        return beats
+        names = []
     for name in names:
-        try:
+        with suppress(OSError, ValueError):  # replaced or removed meanwhile; not a heartbeat file
             with open(os.path.join(folder, name)) as f:
                 pid, host, stamp, steps = f.read().split()
             if host == here:
-                beats[int(name.split(".")[1])] = (int(pid), now - float(stamp), int(steps))
-        except (OSError, ValueError):
-            pass  # replaced meanwhile
+                beats.append((name, (int(pid), now - float(stamp), int(steps))))
     return beats
 
 
@@ -604,30 +602,19 @@ def _process_state(pid):
 
 def _remove_files_of_the_gone():
     """Heartbeat files of this machine whose process is gone: what killed ranks of earlier runs left."""
-    folder, here = _peers_folder(), socket.gethostname()
-    if folder is None:
-        return
-    try:
-        names = os.listdir(folder)
-    except OSError:
-        return
-    for name in names:
-        try:
-            with open(os.path.join(folder, name)) as f:
-                pid, host = f.read().split()[:2]
-            if host == here and _process_state(int(pid)) == "gone":
-                os.remove(os.path.join(folder, name))
-        except (OSError, ValueError):
-            pass  # not a heartbeat file (run.sh's stop file), or gone already
+    for name, (pid, _, _) in _beat_files():
+        if _process_state(pid) == "gone":
+            with suppress(OSError):  # gone already
+                os.remove(os.path.join(_peers_folder(), name))
 
 
-def _group_store(timeout_s=5.0):
+def _group_store():
     """A connection of this process's own to the store at MASTER_ADDR:MASTER_PORT, where init_process_group's env://
     rendezvous meets (rank 0 serves it) or, before that, torchrun's agent serves its own. Through torch's public
-    TCPStore, not the group's own connection, which torch keeps private. timeout_s: for each call too (the launcher
-    may be tearing the store down: do not wait on it)."""
+    TCPStore, not the group's own connection, which torch keeps private. Its 5 s timeout holds for each call too (the
+    launcher may be tearing the store down: do not wait on it)."""
     return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                         timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+                         timeout=timedelta(seconds=5), wait_for_workers=False)
 
 
 def _did_not_meet(error):
@@ -646,46 +633,34 @@ def _did_not_meet(error):
 def describe_peers():
     """Which rank a failed collective lost: one line. The ranks of this node from their files, as their processes
     are (gone, stopped, running); the others from their beats in the group's store, as far as it answers."""
-    now, world_size = time.time(), get_world_size()
-    group = RUN.guard.heartbeat[2]["group"] if RUN.guard.heartbeat else None
-    here = _read_beats(group) if group else {}
-    states = {}
+    now = time.time()
+    here = _read_beats(RUN.guard.heartbeat[2]["group"]) if RUN.guard.heartbeat else {}  # (no group yet: none)
     for _ in range(10):  # a killed peer's sockets close before its process has ended: give that a second
         states = {rank: "running" if rank == get_rank() else _process_state(beat[0]) for rank, beat in here.items()}
         if set(states.values()) != {"running"}:
             break
         time.sleep(0.1)
-    gone, stopped, silent, steps = [], {}, {}, {}
-    for rank, (_, age, step) in here.items():
-        state = states[rank]
-        if state == "gone":
-            gone.append(rank)
-        elif state == "stopped":
-            stopped[rank] = age
+    steps, said = {rank: step for rank, (_, _, step) in here.items()}, []  # said: (its kind's place, rank, words)
+    for rank, (_, age, _) in here.items():
+        if states[rank] == "gone":
+            said.append((0, rank, f"rank {rank}'s process is gone (killed, or it failed: its own lines say which)"))
+        elif states[rank] == "stopped":
+            said.append((1, rank, f"rank {rank} silent for {age:.0f} s (its process is stopped: SIGSTOP, or a "
+                                  "debugger)"))
         elif age > 3 * HEARTBEAT_S:
-            silent[rank] = age
-        steps[rank] = step
-    others, unanswered = [r for r in range(world_size) if r not in here], False
-    if others:
-        try:
-            store = _group_store()
-        except Exception:
-            store, unanswered = None, True
-        for rank in others if store is not None else []:
-            try:
-                if store.check([f"deeplab/heartbeat/{rank}"]):
-                    stamp, step = store.get(f"deeplab/heartbeat/{rank}").decode().split()
-                    steps[rank] = int(step)
-                    if now - float(stamp) > 3 * HEARTBEAT_S:
-                        silent[rank] = now - float(stamp)
-            except Exception:
-                pass
-    parts = [f"rank {r}'s process is gone (killed, or it failed: its own lines say which)" for r in sorted(gone)]
-    parts += [f"rank {r} silent for {age:.0f} s (its process is stopped: SIGSTOP, or a debugger)"
-              for r, age in sorted(stopped.items())]
-    parts += [f"rank {r} silent for {age:.0f} s (" + ("alive, but hung" if r in here else "stopped, killed, or cut off")
-              + ")" for r, age in sorted(silent.items())]
-    if unanswered:  # rank 0's process serves the store: gone, unless it is seen here
+            said.append((2, rank, f"rank {rank} silent for {age:.0f} s (alive, but hung)"))
+    others, store = [r for r in range(get_world_size()) if r not in here], None
+    with suppress(Exception):  # no answer: said below
+        store = _group_store() if others else None
+    for rank in others if store is not None else []:
+        with suppress(Exception):
+            if store.check([f"deeplab/heartbeat/{rank}"]):
+                stamp, step = store.get(f"deeplab/heartbeat/{rank}").decode().split()
+                steps[rank], age = int(step), now - float(stamp)
+                if age > 3 * HEARTBEAT_S:
+                    said.append((2, rank, f"rank {rank} silent for {age:.0f} s (stopped, killed, or cut off)"))
+    parts = [words for _, _, words in sorted(said)]
+    if others and store is None:  # rank 0's process serves the store: gone, unless it is seen here
         blame = "" if 0 in here else ": rank 0 is gone, or its node cut off"
         parts.append(f"rank(s) {others} not heard from (the process group's store, which rank 0's process serves, "
                      f"does not answer{blame})")

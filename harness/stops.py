@@ -90,8 +90,8 @@ def _stop_now(signum, frame):
     """SIGTERM where a stop ends the program at once: as Ctrl-C does, a KeyboardInterrupt, so that what it was
     writing goes (paths.write_folder, a temporary file) and recovery.guard says so in one line. Once: a second stop
     (a launcher's, a script's) must not break into that cleanup."""
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    for stop in RUN.stops.handlers:  # (SIGINT and SIGTERM: install)
+        signal.signal(stop, signal.SIG_IGN)
     RUN.stops.signal = signum
     raise KeyboardInterrupt
 
@@ -175,11 +175,6 @@ def stop_signal():
     return RUN.stops.signal
 
 
-def steps_done():
-    """Optimizer steps this process has voted on: how far it got, for its heartbeat (recovery.py)."""
-    return RUN.stops.steps
-
-
 def quiet_pool_worker():
     """A multiprocessing.Pool's worker (synthetic.py's, cache.py's) leaves Ctrl-C to its parent, and ends at once on
     the SIGTERM that ends the pool (not stops.install's KeyboardInterrupt, a forked copy of its parent's)."""
@@ -256,22 +251,16 @@ class StopVote:
         if self.device.type == "cuda":
             done = torch.cuda.Event()
             done.record()
-        previous, self.pending = self.pending, (votes, done)
-        decision = self._decision(previous)
+        decision, self.pending = self.result(), (votes, done)  # the step before's, then this one's pending
         if decision == "signal" and self.result() == "nonfinite":  # this step's too: its weights are not saved
             decision = "nonfinite"
         return decision
 
     def result(self):
-        """The last step's decision, once the epoch's steps are queued."""
-        previous, self.pending = self.pending, None
-        return self._decision(previous)
-
-    @staticmethod
-    def _decision(vote):
-        if vote is None:
+        """The last step's decision (cast's too), once the epoch's steps are queued."""
+        if self.pending is None:
             return None
-        votes, done = vote
+        (votes, done), self.pending = self.pending, None
         if done is not None:
             done.synchronize()  # the step before this one: done, or nearly
         nonfinite, signal_seen = votes.tolist()
@@ -308,8 +297,7 @@ def save_if_stopped(epoch, step, steps_per_epoch, save):
     epoch is evaluated and saved first (ranks_vote_after_epoch)."""
     vote, decision = RUN.stops.vote, RUN.stops.decision
     RUN.stops.vote = RUN.stops.decision = None
-    if vote is not None and decision is None:
-        decision = vote.result()  # the last step's vote
+    decision = decision or (vote and vote.result())  # else the last step's vote
     if decision == "nonfinite":
         checkpoint = job.checkpoint_path()
         fail(f"the loss became NaN or infinite in epoch {epoch}: stopped without saving; "
