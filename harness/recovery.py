@@ -75,8 +75,8 @@ def guard(program, args=None):
             f"{job.resume_advice()}")
     except KeyboardInterrupt:  # a stop where it ends at once (-e, predict.py, the tools; stops.install): one line
         if is_main_process():
-            signum = RUN.stops.signal
-            _say(f"{program}: stopped ({signal.Signals(signum).name if signum else 'Ctrl-C'})")
+            signum = RUN.stops.signal or signal.SIGINT
+            _say(f"{program}: stopped ({'Ctrl-C' if signum == signal.SIGINT else signal.Signals(signum).name})")
         sys.exit(130)
     except (UserError, WeightsError) as error:
         if isinstance(error, paths.Held):  # another run's folder: nothing of this run is written there
@@ -91,7 +91,7 @@ def guard(program, args=None):
     except Exception as error:
         if said := out_of_memory(error) or data_worker_lost(error):
             _said_by_this_rank(said)
-        if not dist.is_initialized() and RUN.guard.waiting_since is not None:  # (gloo's own: RuntimeError)
+        if isinstance(error, RuntimeError) and not dist.is_initialized() and RUN.guard.waiting_since is not None:
             _say_record_and_exit(f"rank {get_rank()}: " + _did_not_meet(error), say_it=True)
         if not (dist.is_initialized() and is_collective_failure(error)):
             raise
@@ -503,8 +503,10 @@ def _meet_at_a_store_of_this_attempt():
     waits for a rank that is gone (pytorch/pytorch#135712). Instead rank 0 serves a store of this attempt's own, as
     under run.sh (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1). It writes its port into the agent's store while the group
     forms (start_heartbeat), and the others read it there (_port_of_this_attempt). -> (the agent's store, rank 0's
-    own store), or (None, None) where the agent serves none."""
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+    own store), or (None, None) where the agent serves none, or where torchrun restarts nothing (--max-restarts 0,
+    its default): then no earlier attempt left an address, and the group meets at MASTER_PORT as torchrun says."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or \
+            os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") == "0":
         return None, None
     agent, own = _group_store(), None
     if get_rank() == 0:

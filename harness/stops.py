@@ -70,8 +70,8 @@ PHASES = {
 
 def install(training=True):
     """A run starts with no signal seen. A training run's stop signals (STOP_SIGNALS) take the handler of PHASES'
-    first phase, and its sys.stdout and sys.stderr are wrapped (_Terminal). In other runs a stop ends the program at
-    once: Ctrl-C, and SIGTERM as Ctrl-C (_stop_now)."""
+    first phase, and its sys.stdout and sys.stderr are wrapped (_Terminal). In other runs of one process a stop ends
+    the program at once: Ctrl-C or SIGTERM, as a KeyboardInterrupt (_stop_now)."""
     RUN.stops = job.Stops()
     if training:
         RUN.stops.handlers = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}  # (restore's)
@@ -81,13 +81,17 @@ def install(training=True):
             sys.stdout = _Terminal(sys.stdout)
         if sys.stderr is not None:
             sys.stderr = _Terminal(sys.stderr)
-    elif signal.getsignal(signal.SIGTERM) != signal.SIG_IGN:  # -e, --check-only, predict.py, the tools
+    elif int(os.environ.get("WORLD_SIZE", "1")) == 1:  # -e, --check-only, predict.py, the tools, in one process
+        # (Several: torchrun's SIGTERM after another rank failed must end this one at once, in a collective too,
+        # where no Python handler runs. Its default does.)
         RUN.stops.handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
-        signal.signal(signal.SIGTERM, _stop_now)
+        for signum, handler in RUN.stops.handlers.items():
+            if handler in (signal.SIG_DFL, signal.default_int_handler):  # (one ignored stays so)
+                signal.signal(signum, _stop_now)
 
 
 def _stop_now(signum, frame):
-    """SIGTERM where a stop ends the program at once: as Ctrl-C does, a KeyboardInterrupt, so that what it was
+    """Ctrl-C or SIGTERM where a stop ends the program at once: a KeyboardInterrupt, so that what it was
     writing goes (paths.write_folder, a temporary file) and recovery.guard says so in one line. Once: a second stop
     (a launcher's, a script's) must not break into that cleanup."""
     for stop in RUN.stops.handlers:  # (SIGINT and SIGTERM: install)
@@ -114,8 +118,11 @@ def deferred():
     enter("writing")
     try:
         yield
-    finally:
-        enter("preflight")
+    except BaseException:
+        with suppress(Interrupted):  # the block's own error is the one to say, not a stop that came
+            enter("preflight")
+        raise
+    enter("preflight")
 
 
 def restore():

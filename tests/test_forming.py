@@ -98,9 +98,10 @@ def _serve_a_store(port):
 
 @pytest.mark.long
 def test_a_rank_whose_torchrun_has_ended_does_not_wait_for_its_peers(tiny_data, tmp_path):
-    """torchrun ends (killed) while the group forms, and with it the peers it was to start. Rank 0, which serves
-    the group's store itself, and rank 1, waiting for rank 0's port in torchrun's store, each end within seconds
-    with one line, instead of waiting out --dist-timeout (5 minutes here) for a peer that never comes."""
+    """torchrun with restarts ends (killed) while the group forms, and with it the peers it was to start. Rank 0,
+    which serves the group's store itself, and rank 1, waiting for rank 0's port in torchrun's store, each end
+    within seconds with one line, instead of waiting out --dist-timeout (5 minutes here) for a peer that never
+    comes."""
     for rank, said in ((0, "rank 0: torchrun's store at"), (1, "rank 1: the 2 processes did not all meet")):
         port = free_port()
         agent = multiprocessing.get_context("fork").Process(target=_serve_a_store, args=(port,), daemon=True)
@@ -111,7 +112,8 @@ def test_a_rank_whose_torchrun_has_ended_does_not_wait_for_its_peers(tiny_data, 
         forked = fork_main(["--data", tiny_data, "--output-dir", str(tmp_path / f"out{rank}"), "--dist-timeout", "5",
                             *TRAIN_ARGS], log, {"RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank),
                                                 "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-                                                "MASTER_PORT": str(port), "TORCHELASTIC_USE_AGENT_STORE": "True"})
+                                                "MASTER_PORT": str(port), "TORCHELASTIC_USE_AGENT_STORE": "True",
+                                                "TORCHELASTIC_MAX_RESTARTS": "1"})
         try:
             deadline = time.time() + 120  # until the rank has reached torchrun's store: rank 0 writes, rank 1 removes
             while store.check(["deeplab/store"]) and store.get("deeplab/store") == b"an earlier attempt's":

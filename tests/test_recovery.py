@@ -996,3 +996,12 @@ def test_a_master_port_taken_by_another_program_is_named(tiny_data, tmp_path, mo
             monkeypatch.setenv(name, value)
         line = main_fails(["--data", tiny_data, "--output-dir", str(tmp_path / "out"), *TRAIN_ARGS], capsys)
     assert f"MASTER_PORT {port} is taken on this machine by another program (another run?): give another" in line, line
+
+
+def test_a_bug_while_the_group_forms_keeps_its_traceback(tmp_path):
+    """While the ranks meet, torch's failures (RuntimeErrors: gloo's own, DistError) are the "did not all meet"
+    line; an error of another kind there is a bug of this program, and keeps its traceback."""
+    with pytest.raises(KeyError, match="a bug"):
+        with recovery.guard("main.py", main.get_args_parser().parse_args(["--output-dir", str(tmp_path)])):
+            job.RUN.guard.waiting_since = time.time()  # (as start_heartbeat sets it)
+            raise KeyError("a bug")

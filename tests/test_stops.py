@@ -16,6 +16,7 @@ import torch
 import dataset
 import main
 from harness import checkpoints, job, paths, stops
+from harness.errors import UserError
 from conftest import (ROOT, TRAIN_ARGS, cpu_env, fingerprint, fork_main, free_port, no_shared_memory_in_workers,
                       one_error_line, processes_mentioning, run_main, wait_in_file)
 
@@ -107,6 +108,37 @@ def test_the_stop_phases_are_one_table_that_enter_alone_switches():
     finally:
         stops.restore()
         signal.signal(signal.SIGUSR1, ignored)
+
+
+def test_a_stop_where_it_ends_the_program_at_once_is_taken_once_and_a_mistake_is_not_said_as_a_stop(monkeypatch):
+    """One process (-e, predict.py, the tools): Ctrl-C and SIGTERM each end it at once, as a KeyboardInterrupt, and
+    once: a second stop is ignored while it cleans up. Under a launcher (WORLD_SIZE 2) SIGTERM keeps its default, so
+    that torchrun's stop after another rank failed ends a rank in a collective too. A mistake met while the
+    preflight's writes defer a stop is said as the mistake, not as the stop."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    before = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        stops.install(training=False)
+        assert signal.getsignal(signal.SIGINT) == signal.getsignal(signal.SIGTERM) == stops._stop_now
+        with pytest.raises(KeyboardInterrupt):
+            stops._stop_now(signal.SIGINT, None)
+        assert signal.getsignal(signal.SIGINT) == signal.getsignal(signal.SIGTERM) == signal.SIG_IGN
+        stops.restore()
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        stops.install(training=False)
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+        stops.restore()
+        stops.install(training=True)
+        with pytest.raises(UserError, match="a mistake"):  # (not stops.Interrupted)
+            with stops.deferred():
+                stops._on_signal(signal.SIGTERM, None)
+                stops.fail("a mistake")
+    finally:
+        stops.restore()
+        for signum, handler in before.items():
+            signal.signal(signum, handler)
 
 
 def _start_in_its_own_group(command, env, cwd=ROOT):
