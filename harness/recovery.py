@@ -421,9 +421,8 @@ HEARTBEAT_S = 2.0
 
 def start_heartbeat(minutes, after_s=5.0, every_s=60.0):
     """Before init_process_group, on every rank:
-
     - GLOO_SOCKET_IFNAME checked (_check_gloo_interfaces).
-    - Under torchrun, a store of this attempt's own to meet at (_meet_at_a_store_of_this_attempt).
+    - Under torchrun with restarts, a store of this attempt's own to meet at (_meet_at_a_store_of_this_attempt).
     - A thread. While the process group forms, it says after after_s seconds, then every every_s, what this process
       waits for, where, and when it gives up (rank 0 and each node's first process). Once the group exists, it
       writes every HEARTBEAT_S (its process, the time, steps done) into a file of its own (_peers_folder), which
