@@ -58,7 +58,7 @@ def _cannot_write(folder):
 def _temporary_folder_problem():
     """What keeps torch from the temporary folder it needs, or None. torchvision's import asks tempfile for one
     (a read-only root filesystem with TMPDIR unset fails there, in a long traceback). (Its path's length matters
-    to DataLoader workers alone: checks.check_worker_sockets.)"""
+    to DataLoader workers: checks.check_worker_sockets.)"""
     given = os.environ.get("TMPDIR")
     why = _cannot_write(given) if given else None
     fix = "free space there, or " if why == os.strerror(errno.ENOSPC) else ""

@@ -88,7 +88,7 @@ _SOCKET_SUFFIX = len("/pymp-12345678/listener-12345678")
 
 def check_worker_sockets(workers):
     """-j other than 0 (None: the default, at least 1 worker): a temporary folder short enough for the sockets
-    DataLoader workers hand their batches over through. (Without workers, its length does not matter.)"""
+    DataLoader workers pass their batches' shared memory through."""
     folder = tempfile.gettempdir()
     if workers != 0 and len(folder) + _SOCKET_SUFFIX > _SOCKET_PATH_MAX:
         fail(f"the temporary folder {folder} is {len(folder)} characters long, more than the "

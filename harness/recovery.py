@@ -122,8 +122,8 @@ def _begin(program, args):
     # UnicodeEncodeError from a print of a path or a class name, mid-run: such a character is written as its escape
     # (\xe9, \u0434) instead.
     for stream in (sys.stdout, sys.stderr):
-        # (AttributeError: not a TextIOWrapper, a stream replaced by one of another kind; closed, a broken pipe, a
-        # reconfigure without errors=)
+        # (AttributeError: not a TextIOWrapper, a stream replaced by one of another kind; ValueError: closed;
+        # OSError: a broken pipe; TypeError: a reconfigure without errors=)
         with suppress(AttributeError, ValueError, OSError, TypeError):
             stream.reconfigure(errors="backslashreplace")
     RUN.guard = job.Guard(program=program, args=args,

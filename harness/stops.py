@@ -184,8 +184,9 @@ def stop_signal():
 
 def quiet_pool_worker():
     """A multiprocessing.Pool's worker (synthetic.py's, cache.py's) leaves a stop to its parent: in a process group of
-    its own, a Ctrl-C or a stop to the program's group does not reach it. (A worker killed while it hands a result
-    over holds the pool's lock for good, and the parent's Pool.terminate then waits forever.) It ends at once on the
+    its own, a Ctrl-C or a stop to the program's group does not reach it. (A worker killed while it waits for a task
+    or hands a result over holds one of the pool's queue locks for good, and the parent's Pool.terminate then waits
+    forever.) It ends at once on the
     SIGTERM with which its parent ends the pool (not stops.install's KeyboardInterrupt, a forked copy of its
     parent's)."""
     os.setpgrp()

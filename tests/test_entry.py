@@ -40,7 +40,7 @@ def test_each_program_finds_its_modules_under_python_minus_I_and_says_an_unusabl
     """Started from another folder under python -I (main.py, predict.py) or PYTHONSAFEPATH=1 (the others; both are
     the same path rule), each program finds the harness (not "No module named 'harness'"), whose import says that
     TMPDIR cannot be used: one line, before torchvision loads. The others run as a second machine's first process
-    (RANK 3, LOCAL_RANK 0): its temporary folder is its own, and it says so itself."""
+    (RANK 3, LOCAL_RANK 0): its temporary folder is its own, so it says the line itself, though its RANK is 3."""
     isolated = program in ("main.py", "predict.py")
     command = [sys.executable, *(["-I"] if isolated else []), os.path.join(ROOT, program), "--help"]
     gone = tmp_path / "gone"
