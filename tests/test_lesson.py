@@ -16,7 +16,7 @@ import torch
 
 import lesson
 import main
-from conftest import ROOT, TRAIN_ARGS, finish_ranks, fork_ranks, run
+from conftest import ROOT, TRAIN_ARGS, finish_ranks, fork_ranks
 from harness import preflight
 
 CONTRACT = os.path.join(ROOT, "tests", "contract")  # dataset.py and models.py written from main.py's docstring alone
@@ -153,8 +153,8 @@ def test_the_lesson_on_a_data_set_and_a_model_written_from_its_contract_alone(tm
     """The printed lesson beside tests/contract's dataset.py and models.py, written from main.py's docstring and
     importing nothing of the project, on two gloo processes with a persistent worker each (-j 1). It trains 2 epochs
     straight, in two ranks forked from this process (which imports the lesson first). It trains 2 epochs again under
-    torchrun, crashed in the second (the data set fails there), and resumes from the first's checkpoint under
-    torchrun again (tests/contract's classes have nothing public beyond the contract). The weights and the optimizer
+    torchrun, as the tutorial launches it, crashed in the second (the data set fails there), and resumes from the
+    first's checkpoint in two forked ranks again (tests/contract's classes have nothing public beyond the contract). The weights and the optimizer
     equal bit for bit. That needs what the contract says of the augmentation's draw, and of .epoch: with a plain
     attribute, the persistent workers never see epoch 1 (the crash does not come, checked first, and their draw
     stays at epoch 0's).
@@ -178,8 +178,9 @@ def test_the_lesson_on_a_data_set_and_a_model_written_from_its_contract_alone(tm
     for output in (said, crashed.stdout):
         assert "2 process(es), backend gloo" in output, output
         assert "training tiny_shapes on 24 images (6 steps/epoch)" in output, output
-    said_again = run([*torchrun, *common, "--epochs", "2", "--output-dir", resumed, "--resume",
-                      os.path.join(resumed, "checkpoint.pth")], cwd=str(folder))
+    said_again = finish_ranks(fork_ranks([*common, "--epochs", "2", "--output-dir", resumed, "--resume",
+                                          os.path.join(resumed, "checkpoint.pth")], str(tmp_path / "logs_resumed"),
+                                         program="lifted_lesson"))[0]
     assert "epochs 1..1" in said_again and "epoch 0 step" not in said_again, said_again
     one, other = (torch.load(os.path.join(out, "checkpoint.pth"), weights_only=True) for out in (straight, resumed))
     assert one["epoch"] == other["epoch"] == 2

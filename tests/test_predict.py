@@ -13,8 +13,8 @@ import torch
 from PIL import Image
 
 from harness import checkpoints
-from conftest import (ROOT, TRAIN_ARGS, built_once, fingerprint, finish_ranks, fork_main, fork_ranks, free_port,
-                      main_fails, no_shared_memory_in_workers, no_space, run, run_main, varied_model)
+from conftest import (ROOT, TRAIN_ARGS, built_once, fingerprint, finish_ranks, fork_main, fork_ranks, main_fails,
+                      no_shared_memory_in_workers, no_space, run, run_main, varied_model)
 from dataset import CLASS_COLORS, TRAINID_TO_ID
 import predict
 
@@ -88,19 +88,20 @@ def test_any_image_predicted_at_its_size_and_a_broken_one_named(checkpoint, tmp_
     assert {k: v for k, v in fingerprint(inputs).items() if not k.startswith("predictions/")} == before
 
 
-@pytest.mark.launch
-def test_torchrun_two_processes_write_every_image_once(checkpoint, tmp_path):
+def test_two_ranks_write_every_image_once(checkpoint, tmp_path):
+    """predict.py on two ranks (forked, with a launcher's variables: its split of the images is the point, not the
+    launcher) writes each image once, and rank 0 counts both ranks' predictions."""
     inputs = str(tmp_path / "photos")
     write_images(inputs, broken=False)
     out = os.path.join(inputs, "out")
     os.makedirs(out)
     Image.new("RGB", (16, 16)).save(os.path.join(out, "stale.png"))  # the output folder is never an input
     # A pattern, as the shell would leave it: it matches the folders, the images, notes.txt and out/stale.png.
-    log = run([PY, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-               "predict.py", "--resume", checkpoint, os.path.join(inputs, "**", "*"), "--output-dir", out, "-j", "0", "--what", "label",
-               "--eval-flip"])
-    assert "predicting 8 images" in log and "2 process(es)" in log and "(flip)" in log
-    assert "wrote 8 predictions" in log  # the sum over both ranks: no image twice
+    log = finish_ranks(fork_ranks(["--resume", checkpoint, os.path.join(inputs, "**", "*"), "--output-dir", out,
+                                   "-j", "0", "--what", "label", "--eval-flip"], str(tmp_path / "logs"),
+                                  program="predict"))[0]
+    assert "predicting 8 images" in log and "2 process(es)" in log and "(flip)" in log, log
+    assert "wrote 8 predictions" in log, log  # the sum over both ranks: no image twice
     assert sorted(fingerprint(os.path.join(out, "trainIds"))) == sorted(name + ".png" for name in IMAGES)
 
 
