@@ -139,12 +139,12 @@ def _workers(torchrun):
 @pytest.mark.launch
 def test_a_rank_killed_before_the_first_checkpoint_is_restarted_by_plain_torchrun_and_the_run_ends(data24, tmp_path):
     """Plain torchrun with a restart (not run.sh, which gives each attempt a store of its own): rank 1 killed
-    (SIGKILL) at the first step. The restarted attempt meets, trains both epochs and ends with exit 0: no gloo
+    (SIGKILL) at the first step. The restarted attempt meets, trains the epoch and ends with exit 0: no gloo
     "Connection refused" traceback, no wait for an earlier attempt's rank, and at most one line, rank 0's naming
     the lost rank."""
     out, log = str(tmp_path / "out"), tmp_path / "torchrun.log"
     with open(log, "w") as f:
-        process = _torchrun(["--data", data24, "--output-dir", out, "--epochs", "2", "--dist-timeout", "1",
+        process = _torchrun(["--data", data24, "--output-dir", out, "--epochs", "1", "--dist-timeout", "1",
                              *SLOW_ARGS], stdout=f, stderr=subprocess.STDOUT)
     try:
         wait_in_file(str(log), "epoch 0 step 1/6")
@@ -158,4 +158,4 @@ def test_a_rank_killed_before_the_first_checkpoint_is_restarted_by_plain_torchru
     assert len(errors_said) <= 1 and all("rank 1's process is gone" in line for line in errors_said), output
     assert "Connection refused" not in output and "connectFullMesh" not in output, output
     _no_traceback_but_torchrun_s(output)
-    assert [r["epoch"] for r in metrics(out)] == [0, 1]
+    assert [r["epoch"] for r in metrics(out)] == [0]
