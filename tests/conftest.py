@@ -84,20 +84,24 @@ def pytest_collection_modifyitems(config, items):
     """The longest tests first: those that launch programs, and the few others that take 5 s or more (marked
     long). Two workers then end together, instead of one finishing a minute's launch, or a wait of 10 s,
     while the other has nothing left (each worker takes the next test as it ends one: pytest.ini). In each group,
-    the files' order, but a test that needs a module's fixture a test before it needs too comes after those that
-    do not: such fixtures are the launches several tests read (built_once), and two of their tests side by side went
-    to the two workers at once, one waiting, idle, while the other built it (10 s of each run, for the killed
-    ranks' launch and for the ONNX export). (A module fixture that serves tests of both groups is made once for
-    each: test_predict's checkpoint, a torch.save.)"""
+    the files' order, with one exception: of the tests that read one of READS_A_LAUNCH, the first keeps its place
+    and the others come after the rest of their group. Side by side, two such tests went to the two workers at once,
+    and one waited idle while the other built the launch: about 10 s of each run, for the killed ranks and for the
+    ONNX export. (A module fixture that serves tests of both groups is made once for each: test_predict's
+    checkpoint, a torch.save.)"""
     def later(item):
         return not any(item.get_closest_marker(name) for name in ("launch", "long"))
     items.sort(key=later)
-    made, waits = set(), {}
+    read, waits = set(), {}
     for item in items:
-        shared = {name for name, defs in item._fixtureinfo.name2fixturedefs.items() if defs[-1].scope == "module"}
-        waits[item] = bool(shared & made)
-        made |= shared
+        reads = READS_A_LAUNCH & set(item.fixturenames)
+        waits[item] = bool(reads & read)
+        read |= reads
     items.sort(key=lambda item: (later(item), waits[item]))
+
+
+# The module fixtures that build a launch once for the whole run (built_once), which several tests then read.
+READS_A_LAUNCH = {"two_agreeing_ranks", "two_process_run", "exported", "killed_twice", "launched"}
 
 
 def pytest_unconfigure(config):

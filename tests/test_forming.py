@@ -65,8 +65,9 @@ def test_gloo_socket_ifname_is_read_as_torch_reads_it(monkeypatch):
 
 def test_an_interface_that_is_not_here_is_said_once_before_any_wait(tiny_data, tmp_path):
     """GLOO_SOCKET_IFNAME naming no interface of this machine, on two ranks: one line (the variable, its value, the
-    interfaces there are, what to do) by rank 0 alone, at once, and no traceback of gloo's. (A mistake under torchrun
-    is not restarted: test_recovery.py.)"""
+    interfaces there are, what to do) by rank 0 alone, at once, and no traceback of gloo's. (torchrun's restarts do
+    not repeat a mistake: test_recovery.py's
+    test_a_bad_file_on_rank_1_is_named_by_rank_1_once_and_restarts_do_not_repeat_it.)"""
     here = ", ".join(name for _, name in socket.if_nameindex())
     environment = {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
                    "MASTER_PORT": str(free_port()), "GLOO_SOCKET_IFNAME": "nosuch0",

@@ -115,17 +115,19 @@ def test_each_launch_form_trains_and_evaluates(form, tiny_data, tmp_path, capsys
 def test_three_processes_on_run_sh_s_line_scale_the_learning_rate_with_the_global_batch(data24, tmp_path):
     """run.sh on a number of processes that cannot make the recipe's global batch of 16: 3 take -b 5 each, a global
     batch of 15, and --lr 0.1 scales linearly to 0.1 x 15/16 (--base-batch 16), said at the start. The line is
-    run.sh's own, read from a stand-in for Python that records its check (the workers' line, with --check-only);
-    three ranks forked on it train the one step of the one epoch (24 images) at that rate: the poly schedule's first
-    step is its base rate. (run.sh's torchrun, which starts them, is test_run_sh_keeps_the_recipes_global_batch's.)"""
+    run.sh's own: a stand-in for Python records run.sh's check, whose line is the workers' with --check-only added.
+    Three ranks forked on it train the one step of the one epoch (24 images) at that rate, as the poly schedule's
+    first step is its base rate. (run.sh's torchrun line for 3 GPUs:
+    test_run_sh_keeps_the_recipes_global_batch_on_1_to_8_gpus.)"""
     out, log, fake = str(tmp_path / "out"), tmp_path / "started", tmp_path / "python"
     fake.write_text('#!/bin/bash\nprintf "%s\\n" "$@" > "$FAKE_LOG"\nexit 1\n')  # one argument a line
     fake.chmod(0o755)
     tiny = [arg for arg, after in zip(TRAIN_ARGS, ["", *TRAIN_ARGS]) if "-b" not in (arg, after)]  # run.sh's -b
     env = {"NPROC": "3", "DATA": data24, "OUTPUT_DIR": out, "PYTHON": str(fake), "FAKE_LOG": str(log)}
-    subprocess.run(["./run.sh", "--epochs", "1", *tiny], cwd=ROOT, env=cpu_env(**env), capture_output=True, timeout=60)
-    line = log.read_text().splitlines()
-    assert line[0] == os.path.join(ROOT, "main.py") and line[-2:] == ["--check-only", "3"], line
+    result = subprocess.run(["./run.sh", "--epochs", "1", *tiny], cwd=ROOT, env=cpu_env(**env), capture_output=True,
+                            text=True, timeout=60)
+    line = log.read_text().splitlines() if log.exists() else []
+    assert line[:1] == [os.path.join(ROOT, "main.py")] and line[-2:] == ["--check-only", "3"], (line, result.stderr)
     said = finish_ranks(fork_ranks(line[1:-2], str(tmp_path / "logs"), world_size=3))[0]
     assert "global batch 15 (-b 5 x 3 process(es) x --accum-steps 1)" in said, said
     assert "note: global batch 15, not --base-batch 16: the learning rate is scaled with it, --lr 0.1 x 15/16 = " \

@@ -153,8 +153,8 @@ def test_the_lesson_on_a_data_set_and_a_model_written_from_its_contract_alone(tm
     """The printed lesson beside tests/contract's dataset.py and models.py, written from main.py's docstring and
     importing nothing of the project, on two gloo processes with a persistent worker each (-j 1). It trains 2 epochs
     straight, in two ranks forked from this process (which imports the lesson first). It trains 2 epochs again under
-    torchrun, as the tutorial launches it, crashed in the second (the data set fails there), and resumes from the
-    first's checkpoint in two forked ranks again (tests/contract's classes have nothing public beyond the contract). The weights and the optimizer
+    torchrun, crashed in the second (the data set fails there). Two forked ranks resume it from the checkpoint of its
+    first epoch. (tests/contract's classes have nothing public beyond the contract.) The weights and the optimizer
     equal bit for bit. That needs what the contract says of the augmentation's draw, and of .epoch: with a plain
     attribute, the persistent workers never see epoch 1 (the crash does not come, checked first, and their draw
     stays at epoch 0's).

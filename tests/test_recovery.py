@@ -588,10 +588,11 @@ def test_only_collective_failures_are_taken_for_a_lost_peer(tmp_path):
 def test_a_mistake_every_rank_meets_under_torchrun_is_said_once(tiny_data, tmp_path):
     """The general rule, without run.sh's check in front: a flag mistake meets every rank; rank 0 says it, once,
     before torchrun stops the ranks still running. A launch: torchrun's ending of the other ranks is the point.
-    (That torchrun's restarts do not say a mistake again is the bad file's test: the same record ends them.)"""
+    (torchrun's restarts do not say a mistake again: the record that ends them is the same one,
+    test_a_bad_file_on_rank_1_is_named_by_rank_1_once_and_restarts_do_not_repeat_it.)"""
     result = subprocess.run([PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "main.py",
-                             "--data", tiny_data, "--output-dir", str(tmp_path / "out"), *TRAIN_ARGS, "--amp", "fp16"],
-                            cwd=ROOT, env=cpu_env(), capture_output=True, text=True, timeout=120)
+                             "--data", tiny_data, "--output-dir", str(tmp_path / "out"), *TRAIN_ARGS,
+                             "--amp", "fp16"], cwd=ROOT, env=cpu_env(), capture_output=True, text=True, timeout=120)
     output = result.stdout + result.stderr
     assert result.returncode != 0
     errors = [line for line in output.splitlines() if "main.py: error:" in line]
@@ -606,7 +607,8 @@ def test_a_rank_waits_for_rank_0_to_say_a_mistake_every_rank_finds_and_says_it_w
     """Rank 1 of 2 meets a mistake that every rank finds alike (rank 0's to say): it ends only once rank 0 has said
     it (its record), so that torchrun does not stop rank 0 first, before it said it
     (test_a_mistake_every_rank_meets_under_torchrun_is_said_once failed so); with no record, rank 1 says it after
-    RANK_0_SAYS_IT_S, and another rank nothing; a stop while it waits ends it quietly. In-process: the waiting is the point."""
+    RANK_0_SAYS_IT_S, and another rank nothing; a stop while it waits ends it quietly. In-process: the waiting is
+    the point."""
     monkeypatch.setattr(recovery, "RANK_0_SAYS_IT_S", 1.0)
     monkeypatch.setattr(job.RUN, "env", job.Environment(rank=1, world_size=2, local_rank=1, run_id="test"))
     for rank_0_says_it in (True, False):

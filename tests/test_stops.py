@@ -302,8 +302,8 @@ def test_the_slurm_script_saves_at_the_time_limit_requeues_itself_and_goes_on(da
     command) and scontrol (it records what it is asked): SIGTERM to every process of the job step mid-epoch, as
     --signal=TERM@120 sends it, saves and exits 0 in every worker and in torchrun, without a traceback; run.sh
     exits STOP_STATUS and the script requeues the job. A launch: run.sh, torchrun and the signal are the point. The
-    requeued job, with a stand-in for Python that records run.sh's line and ends as a finished run does, requeues
-    nothing; two ranks forked on that line carry on from the next step and finish."""
+    requeued job runs run.sh with a stand-in for Python that records run.sh's line and exits 0: the script does not
+    requeue it again. Two ranks forked on that line carry on from the next step and finish."""
     from conftest import SLOW_ARGS
     with open(os.path.join(ROOT, "docs", "cityscapes.md")) as f:
         script = next(block for block in f.read().split("```bash\n")[1:] if block.startswith("#!/bin/bash\n#SBATCH"))
@@ -344,13 +344,13 @@ def test_the_slurm_script_saves_at_the_time_limit_requeues_itself_and_goes_on(da
     assert 2 <= step < 6, step
 
     started, fake = tmp_path / "started", tmp_path / "python"  # the requeued job, its Python a stand-in
-    fake.write_text(f'#!/bin/bash\nprintf "%s\\n" "$@" >> {started}\nexit 0\n')  # one argument a line
+    fake.write_text(f'#!/bin/bash\nprintf "%s\\n" "$@" >> "{started}"\nexit 0\n')  # one argument a line
     fake.chmod(0o755)
     job = _start_in_its_own_group(["bash", str(tmp_path / "job.sh")], {**env, "PYTHON": str(fake)}, cwd=str(tmp_path))
     output = job.communicate(timeout=60)[0]
     assert job.returncode == 0 and asked.read_text() == "requeue 4242\n", output  # finished: not requeued again
     line = started.read_text().splitlines()  # run.sh's check first: the workers' line, then --check-only 2
-    assert line[0] == os.path.join(ROOT, "main.py"), line
+    assert line[0] == os.path.join(ROOT, "main.py") and line[line.index("--check-only") + 1] == "2", line
     line = line[1:line.index("--check-only")]
     said = finish_ranks(fork_ranks(line, str(tmp_path / "logs")))[0]
     assert f"epoch 0 step {step + 1}/6" in said and "done: best mIoU" in said, said
